@@ -1,0 +1,235 @@
+// CPU implementations of the vcpo:: ops (schemas in csrc/registration.cpp). Python validates the arguments
+// and raises ValueError; the checks here only keep memory access safe when the ops are called directly.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <optional>
+
+#include "policy_loss.h"
+
+namespace vcpo {
+namespace {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+at::ScalarType acc_dtype(at::ScalarType logp) { return logp == at::kDouble ? at::kDouble : at::kFloat; }
+
+void check_cpu_contiguous(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), "vcpo: ", name, " must be on the CPU");
+  TORCH_CHECK(t.is_contiguous(), "vcpo: ", name, " must be contiguous");
+}
+
+void check_seq(const OptTensor& t, const char* name, int64_t n, at::ScalarType dtype) {
+  if (!t) return;
+  check_cpu_contiguous(*t, name);
+  TORCH_CHECK(t->dim() == 1 && t->size(0) == n, "vcpo: ", name, " must have shape [", n, "]");
+  TORCH_CHECK(t->scalar_type() == dtype, "vcpo: ", name, " must have dtype ", dtype);
+}
+
+TokenView token_view(const Tensor& logp, const Tensor& behavior_logp, const OptTensor& old_logp,
+                     const OptTensor& mask, const Tensor& cu_seqlens) {
+  check_cpu_contiguous(logp, "logp");
+  check_cpu_contiguous(behavior_logp, "behavior_logp");
+  check_cpu_contiguous(cu_seqlens, "cu_seqlens");
+  TORCH_CHECK(logp.dim() == 1, "vcpo: logp must be 1-D (packed)");
+  const int64_t n = logp.numel();
+  TORCH_CHECK(behavior_logp.sizes() == logp.sizes(), "vcpo: behavior_logp must match logp");
+  TORCH_CHECK(behavior_logp.scalar_type() == logp.scalar_type() || behavior_logp.scalar_type() == at::kFloat,
+              "vcpo: behavior_logp must have logp's dtype or float32");
+  if (old_logp) {
+    check_cpu_contiguous(*old_logp, "old_logp");
+    TORCH_CHECK(old_logp->sizes() == logp.sizes(), "vcpo: old_logp must match logp");
+    TORCH_CHECK(old_logp->scalar_type() == behavior_logp.scalar_type(),
+                "vcpo: old_logp must have behavior_logp's dtype");
+  }
+  check_seq(mask, "mask", n, at::kBool);
+  TORCH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.numel() >= 1 && cu_seqlens.scalar_type() == at::kLong,
+              "vcpo: cu_seqlens must be a 1-D int64 tensor");
+  const int64_t* cu = cu_seqlens.data_ptr<int64_t>();
+  const int64_t b = cu_seqlens.numel() - 1;
+  TORCH_CHECK(cu[0] == 0 && cu[b] == n, "vcpo: cu_seqlens must start at 0 and end at ", n);
+  return TokenView{logp.data_ptr(), behavior_logp.data_ptr(), old_logp ? old_logp->data_ptr() : nullptr,
+                   mask ? mask->data_ptr<bool>() : nullptr, cu, b};
+}
+
+// Calls body(lp_t{}, ref_t{}) for logp's dtype and the dtype of behavior_logp (logp's own or float32).
+template <typename Body>
+void dispatch_logp(const Tensor& logp, const Tensor& behavior_logp, Body&& body) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logp.scalar_type(), "vcpo", [&] {
+    if (behavior_logp.scalar_type() == logp.scalar_type()) {
+      body(scalar_t{}, scalar_t{});
+    } else {
+      body(scalar_t{}, float{});
+    }
+  });
+}
+
+template <typename acc_t>
+const acc_t* opt_ptr(const OptTensor& t) {
+  return t ? t->data_ptr<acc_t>() : nullptr;
+}
+
+template <typename acc_t>
+LossParams<acc_t> loss_params(int64_t is_level, int64_t is_correction, double log_threshold,
+                              double log_threshold_low, std::optional<double> clip_low,
+                              std::optional<double> clip_high, std::optional<double> clip_c) {
+  LossParams<acc_t> p;
+  p.level = static_cast<IsLevel>(is_level);
+  p.correction = static_cast<IsCorrection>(is_correction);
+  p.log_hi = static_cast<acc_t>(log_threshold);
+  p.log_lo = static_cast<acc_t>(log_threshold_low);
+  p.clip = clip_low.has_value() && clip_high.has_value();
+  p.ratio_lo = static_cast<acc_t>(1.0 - clip_low.value_or(0.0));
+  p.ratio_hi = static_cast<acc_t>(1.0 + clip_high.value_or(0.0));
+  p.dual_clip = p.clip && clip_c.has_value();
+  p.dual_c = static_cast<acc_t>(clip_c.value_or(0.0));
+  return p;
+}
+
+std::tuple<Tensor, Tensor, Tensor> sequence_stats_cpu(const Tensor& logp, const Tensor& behavior_logp,
+                                                      const OptTensor& old_logp, const OptTensor& mask,
+                                                      const Tensor& cu_seqlens) {
+  const TokenView v = token_view(logp, behavior_logp, old_logp, mask, cu_seqlens);
+  const auto opts = logp.options().dtype(acc_dtype(logp.scalar_type()));
+  Tensor s = at::empty({v.num_seqs}, opts), len = at::empty({v.num_seqs}, opts), kl = at::empty({v.num_seqs}, opts);
+  dispatch_logp(logp, behavior_logp, [&](auto lp, auto ref) {
+    using lp_t = decltype(lp);
+    using ref_t = decltype(ref);
+    using acc_t = acc_type<lp_t>;
+    const SequenceSums<acc_t> out{s.data_ptr<acc_t>(), len.data_ptr<acc_t>(), kl.data_ptr<acc_t>()};
+    at::parallel_for(0, v.num_seqs, sequence_grain(v.num_seqs, logp.numel()),
+                     [&](int64_t a, int64_t b) { sequence_sums<lp_t, ref_t, acc_t>(v, a, b, out); });
+  });
+  return {s, len, kl};
+}
+
+std::tuple<Tensor, Tensor, Tensor> effective_sample_size_cpu(const Tensor& log_weight, const OptTensor& seq_length,
+                                                             double ess_base_ratio, int64_t lr_rule) {
+  check_cpu_contiguous(log_weight, "log_weight");
+  TORCH_CHECK(log_weight.dim() == 1, "vcpo: log_weight must be 1-D");
+  TORCH_CHECK(log_weight.scalar_type() == at::kFloat || log_weight.scalar_type() == at::kDouble,
+              "vcpo: log_weight must be float32 or float64");
+  const int64_t b = log_weight.numel();
+  check_seq(seq_length, "seq_length", b, log_weight.scalar_type());
+  Tensor ess = at::empty({}, log_weight.options()), ratio = at::empty({}, log_weight.options()),
+         lr = at::empty({}, log_weight.options());
+  AT_DISPATCH_FLOATING_TYPES(log_weight.scalar_type(), "vcpo_ess", [&] {
+    const EssResult r = effective_sample_size<scalar_t>(log_weight.data_ptr<scalar_t>(),
+                                                        opt_ptr<scalar_t>(seq_length), b, ess_base_ratio,
+                                                        static_cast<LrRule>(lr_rule));
+    ess.fill_(r.ess);
+    ratio.fill_(r.ess_ratio);
+    lr.fill_(r.lr_scale);
+  });
+  return {ess, ratio, lr};
+}
+
+std::tuple<Tensor, Tensor> opob_baseline_cpu(const Tensor& rewards, const Tensor& log_weight,
+                                             const OptTensor& grad_sq_norm, const OptTensor& group_index,
+                                             const OptTensor& seq_length, int64_t num_groups, bool length_norm,
+                                             bool norm_by_std) {
+  check_cpu_contiguous(log_weight, "log_weight");
+  const int64_t b = log_weight.numel();
+  const auto dtype = log_weight.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble, "vcpo: log_weight must be float32 or float64");
+  check_seq(rewards, "rewards", b, dtype);
+  check_seq(grad_sq_norm, "grad_sq_norm", b, dtype);
+  check_seq(group_index, "group_index", b, at::kLong);
+  check_seq(seq_length, "seq_length", b, dtype);
+  TORCH_CHECK(num_groups >= 1, "vcpo: num_groups must be >= 1");
+  Tensor length = seq_length ? *seq_length : at::ones({b}, log_weight.options());
+  Tensor baseline = at::empty({num_groups}, log_weight.options()), adv = at::empty({b}, log_weight.options());
+  AT_DISPATCH_FLOATING_TYPES(dtype, "vcpo_opob", [&] {
+    const GroupInputs<scalar_t> in{rewards.data_ptr<scalar_t>(), length.data_ptr<scalar_t>(),
+                                   opt_ptr<int64_t>(group_index), b, num_groups};
+    opob_baseline(in, log_weight.data_ptr<scalar_t>(), opt_ptr<scalar_t>(grad_sq_norm), length_norm, norm_by_std,
+                  baseline.data_ptr<scalar_t>(), adv.data_ptr<scalar_t>());
+  });
+  return {baseline, adv};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> policy_loss_cpu(
+    const Tensor& logp, const Tensor& behavior_logp, const OptTensor& old_logp, const OptTensor& mask,
+    const Tensor& cu_seqlens, const OptTensor& rewards, const OptTensor& advantages, const OptTensor& group_index,
+    int64_t num_groups, const OptTensor& grad_sq_norm, int64_t is_level, int64_t is_correction,
+    double log_threshold, double log_threshold_low, bool ess_on_corrected, double ess_base_ratio, int64_t lr_rule,
+    int64_t advantage, bool norm_by_std, bool opob_length_norm, int64_t opob_weight,
+    std::optional<double> clip_low, std::optional<double> clip_high, std::optional<double> clip_c,
+    int64_t loss_agg, double norm_length) {
+  const TokenView v = token_view(logp, behavior_logp, old_logp, mask, cu_seqlens);
+  const int64_t b = v.num_seqs;
+  const auto acc = acc_dtype(logp.scalar_type());
+  TORCH_CHECK(rewards.has_value() != advantages.has_value(), "vcpo: pass exactly one of rewards, advantages");
+  check_seq(rewards, "rewards", b, acc);
+  check_seq(advantages, "advantages", b, acc);
+  check_seq(grad_sq_norm, "grad_sq_norm", b, acc);
+  check_seq(group_index, "group_index", b, at::kLong);
+  TORCH_CHECK(num_groups >= 1, "vcpo: num_groups must be >= 1");
+  const auto opts = logp.options().dtype(acc);
+  Tensor loss = at::empty({}, opts), scalars = at::empty({kNumScalars}, opts), baseline = at::empty({num_groups}, opts),
+         adv = at::empty({b}, opts), seq_log_weight = at::empty({b}, opts), grad_scale = at::empty({b}, opts);
+  const ForwardOptions o{ess_on_corrected,
+                         ess_base_ratio,
+                         static_cast<LrRule>(lr_rule),
+                         advantages ? Advantage::Given : static_cast<Advantage>(advantage),
+                         norm_by_std,
+                         opob_length_norm,
+                         static_cast<OpobWeight>(opob_weight),
+                         static_cast<LossAgg>(loss_agg),
+                         norm_length};
+  const SequenceInputs seq{rewards ? rewards->data_ptr() : nullptr, advantages ? advantages->data_ptr() : nullptr,
+                           opt_ptr<int64_t>(group_index), num_groups,
+                           grad_sq_norm ? grad_sq_norm->data_ptr() : nullptr};
+  dispatch_logp(logp, behavior_logp, [&](auto lp, auto ref) {
+    using lp_t = decltype(lp);
+    using ref_t = decltype(ref);
+    using acc_t = acc_type<lp_t>;
+    const auto p = loss_params<acc_t>(is_level, is_correction, log_threshold, log_threshold_low, clip_low,
+                                      clip_high, clip_c);
+    const ForwardOutputs<acc_t> out{loss.data_ptr<acc_t>(),     scalars.data_ptr<acc_t>(),
+                                    baseline.data_ptr<acc_t>(), adv.data_ptr<acc_t>(),
+                                    seq_log_weight.data_ptr<acc_t>(), grad_scale.data_ptr<acc_t>()};
+    policy_loss_forward<lp_t, ref_t, acc_t>(v, seq, p, o, out);
+  });
+  return {loss, scalars, baseline, adv, seq_log_weight, grad_scale};
+}
+
+Tensor policy_loss_backward_cpu(const Tensor& grad_loss, const Tensor& logp, const Tensor& behavior_logp,
+                                const OptTensor& old_logp, const OptTensor& mask, const Tensor& cu_seqlens,
+                                const Tensor& grad_scale, const Tensor& advantages, int64_t is_level,
+                                int64_t is_correction, double log_threshold, double log_threshold_low,
+                                std::optional<double> clip_low, std::optional<double> clip_high,
+                                std::optional<double> clip_c) {
+  const TokenView v = token_view(logp, behavior_logp, old_logp, mask, cu_seqlens);
+  const auto acc = acc_dtype(logp.scalar_type());
+  check_seq(grad_scale, "grad_scale", v.num_seqs, acc);
+  check_seq(advantages, "advantages", v.num_seqs, acc);
+  TORCH_CHECK(grad_loss.numel() == 1, "vcpo: grad_loss must be a scalar");
+  const double g = grad_loss.item<double>();  // a CPU tensor: no device sync
+  Tensor grad = at::empty_like(logp);
+  dispatch_logp(logp, behavior_logp, [&](auto lp, auto ref) {
+    using lp_t = decltype(lp);
+    using ref_t = decltype(ref);
+    using acc_t = acc_type<lp_t>;
+    const auto p = loss_params<acc_t>(is_level, is_correction, log_threshold, log_threshold_low, clip_low,
+                                      clip_high, clip_c);
+    policy_loss_backward<lp_t, ref_t, acc_t>(v, static_cast<acc_t>(g), grad_scale.data_ptr<acc_t>(),
+                                             advantages.data_ptr<acc_t>(), p, grad.data_ptr<lp_t>());
+  });
+  return grad;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(vcpo, CPU, m) {
+  m.impl("sequence_stats", &sequence_stats_cpu);
+  m.impl("effective_sample_size", &effective_sample_size_cpu);
+  m.impl("opob_baseline", &opob_baseline_cpu);
+  m.impl("policy_loss", &policy_loss_cpu);
+  m.impl("policy_loss_backward", &policy_loss_backward_cpu);
+}
+
+}  // namespace vcpo

@@ -1,0 +1,289 @@
+// The fused VCPO policy loss: sequence sums (pass 1), the small per-batch/per-group step (ESS, advantages,
+// IS coefficients), the per-token pass for the loss value (pass 2, only when the token terms differ within
+// a sequence), and the backward pass that writes d loss / d logp. Contract: docs/contract.md.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <vector>
+
+#include "advantages.h"
+#include "common.h"
+#include "effective_sample_size.h"
+#include "sequence_stats.h"
+
+namespace vcpo {
+
+template <typename acc_t>
+struct LossParams {
+  IsLevel level;
+  IsCorrection correction;
+  acc_t log_hi, log_lo;  // log C and log C_low
+  bool clip;
+  acc_t ratio_lo, ratio_hi;  // 1 - eps_low, 1 + eps_high
+  bool dual_clip;
+  acc_t dual_c;
+};
+
+// IS coefficient of a unit with log weight lw, and whether the correction changed it.
+template <typename acc_t>
+inline acc_t is_coef(acc_t lw, const LossParams<acc_t>& p) {
+  const acc_t truncated = exp_fast(min_keep_nan(lw, p.log_hi));
+  const acc_t kept = (lw >= p.log_lo && lw <= p.log_hi) ? acc_t(1) : acc_t(0);
+  return p.correction == IsCorrection::Truncate ? truncated : p.correction == IsCorrection::Mask ? kept : acc_t(1);
+}
+template <typename acc_t>
+inline acc_t is_changed(acc_t lw, const LossParams<acc_t>& p) {
+  const bool out = p.correction == IsCorrection::Truncate ? lw > p.log_hi
+                   : p.correction == IsCorrection::Mask   ? !(lw >= p.log_lo && lw <= p.log_hi)
+                                                          : false;
+  return out ? acc_t(1) : acc_t(0);
+}
+
+// Per-sequence results of the token pass.
+template <typename acc_t>
+struct TokenSums {
+  acc_t* loss;        // sum_t c_tok * p(r)
+  acc_t* changed;     // token-level units the IS correction changed
+  acc_t* coef;        // sum_t c_tok
+  acc_t* ppo_clipped; // tokens on a PPO clip branch
+};
+
+// The per-token surrogate and its derivative wrt lp, for one sequence. In the forward it accumulates the
+// loss and statistics (WriteGrad = false); in the backward it writes grad[t] (WriteGrad = true).
+template <bool HasOld, bool HasMask, bool TokenLevel, bool WriteGrad, typename lp_t, typename ref_t,
+          typename acc_t>
+inline void token_pass_one(const TokenView& v, int64_t i, acc_t adv, acc_t grad_scale, const LossParams<acc_t>& p,
+                           const TokenSums<acc_t>& sums, lp_t* grad) {
+  const lp_t* lp = static_cast<const lp_t*>(v.logp);
+  const ref_t* mu = static_cast<const ref_t*>(v.behavior_logp);
+  const ref_t* old = static_cast<const ref_t*>(v.old_logp);
+  const bool* mask = v.mask;
+  const int64_t begin = v.cu_seqlens[i], end = v.cu_seqlens[i + 1];
+  const bool dual = p.dual_clip && adv < 0;
+  const acc_t dual_limit = -adv * p.dual_c;
+  acc_t loss = 0, changed = 0, coef_sum = 0, clipped = 0;
+#pragma omp simd reduction(+ : loss, changed, coef_sum, clipped)
+  for (int64_t t = begin; t < end; ++t) {
+    const bool counted = HasMask ? mask[t] : true;
+    const acc_t cur = counted ? load<acc_t>(lp, t) : acc_t(0);
+    const acc_t prox = HasOld ? (counted ? load<acc_t>(old, t) : acc_t(0)) : cur;
+    acc_t c = 1;
+    if (TokenLevel) {
+      const acc_t d = counted ? prox - load<acc_t>(mu, t) : acc_t(0);
+      c = is_coef(d, p);
+      changed += counted ? is_changed(d, p) : acc_t(0);
+      coef_sum += counted ? c : acc_t(0);
+    }
+    const acc_t r = HasOld ? exp_fast(cur - prox) : acc_t(1);
+    const acc_t p1 = -adv * r;
+    acc_t val = p1, dval = -adv;  // d p / d r
+    bool on_clip = false;
+    if (p.clip) {
+      const acc_t rc = r < p.ratio_lo ? p.ratio_lo : (r > p.ratio_hi ? p.ratio_hi : r);
+      const acc_t p2 = -adv * rc;
+      const bool take_unclipped = p1 >= p2;  // ties go to the unclipped branch
+      val = take_unclipped ? p1 : p2;
+      dval = take_unclipped ? dval : acc_t(0);
+      on_clip = !take_unclipped;
+      const bool take_dual = dual && !(val <= dual_limit);
+      val = take_dual ? dual_limit : val;
+      dval = take_dual ? acc_t(0) : dval;
+      on_clip = on_clip || take_dual;
+    }
+    loss += counted ? c * val : acc_t(0);
+    clipped += (counted && on_clip) ? acc_t(1) : acc_t(0);
+    if (WriteGrad) grad[t] = static_cast<lp_t>(counted ? grad_scale * c * dval * r : acc_t(0));
+  }
+  if (!WriteGrad) {
+    sums.loss[i] = loss;
+    sums.changed[i] = changed;
+    sums.coef[i] = coef_sum;
+    sums.ppo_clipped[i] = clipped;
+  }
+}
+
+// Sequences [first, last) of the token pass, with the runtime flags turned into template flags.
+template <bool WriteGrad, typename lp_t, typename ref_t, typename acc_t>
+void token_pass(const TokenView& v, int64_t first, int64_t last, const acc_t* adv, const acc_t* grad_scale,
+                const LossParams<acc_t>& p, const TokenSums<acc_t>& sums, lp_t* grad) {
+  for_each_flag(v.old_logp != nullptr, v.mask != nullptr, [&](auto has_old, auto has_mask) {
+    constexpr bool kOld = decltype(has_old)::value, kMask = decltype(has_mask)::value;
+    for (int64_t i = first; i < last; ++i) {
+      const acc_t scale = grad_scale ? grad_scale[i] : acc_t(0);
+      if (p.level == IsLevel::Token) {
+        token_pass_one<kOld, kMask, true, WriteGrad, lp_t, ref_t, acc_t>(v, i, adv[i], scale, p, sums, grad);
+      } else {
+        token_pass_one<kOld, kMask, false, WriteGrad, lp_t, ref_t, acc_t>(v, i, adv[i], scale, p, sums, grad);
+      }
+    }
+  });
+}
+
+// Whether r or c vary within a sequence. If not (bypass mode, sequence-level weights), every counted token of
+// sequence i has loss -c_i A_i and gradient -a_i c_i A_i, and no token pass is needed.
+template <typename acc_t>
+inline bool needs_token_pass(const TokenView& v, const LossParams<acc_t>& p) {
+  return v.old_logp != nullptr || p.level == IsLevel::Token;
+}
+
+// Grain for at::parallel_for over sequences: small batches stay on one thread.
+inline int64_t sequence_grain(int64_t num_seqs, int64_t num_tokens) {
+  constexpr int64_t kTokensPerTask = 32768;
+  if (num_tokens <= kTokensPerTask || num_seqs == 0) return num_seqs + 1;
+  const int64_t per_seq = num_tokens / num_seqs + 1;
+  const int64_t grain = kTokensPerTask / per_seq;
+  return grain < 1 ? 1 : grain;
+}
+
+struct SequenceInputs {
+  const void* rewards;       // acc_t [B] or nullptr when advantages are given
+  const void* advantages;    // acc_t [B] or nullptr
+  const int64_t* group;      // [B] or nullptr
+  int64_t num_groups;
+  const void* grad_sq_norm;  // acc_t [B] or nullptr
+};
+
+struct ForwardOptions {
+  bool ess_on_corrected;
+  double ess_base_ratio;
+  LrRule lr_rule;
+  Advantage advantage;
+  bool norm_by_std;
+  bool opob_length_norm;
+  OpobWeight opob_weight;
+  LossAgg agg;
+  double norm_length;
+};
+
+template <typename acc_t>
+struct ForwardOutputs {
+  acc_t* loss;            // [1]
+  acc_t* scalars;         // [kNumScalars]
+  acc_t* baseline;        // [num_groups]
+  acc_t* advantages;      // [B]
+  acc_t* seq_log_weight;  // [B]
+  acc_t* grad_scale;      // [B]: d loss / d(token surrogate), a_i c_i
+};
+
+template <typename lp_t, typename ref_t, typename acc_t>
+void policy_loss_forward(const TokenView& v, const SequenceInputs& seq, const LossParams<acc_t>& p,
+                         const ForwardOptions& o, const ForwardOutputs<acc_t>& out) {
+  const int64_t B = v.num_seqs;
+  const int64_t N = v.cu_seqlens[B];
+  const int64_t grain = sequence_grain(B, N);
+  std::vector<acc_t> length(B), kl(B);
+  const SequenceSums<acc_t> sums{out.seq_log_weight, length.data(), kl.data()};
+  at::parallel_for(0, B, grain, [&](int64_t a, int64_t b) { sequence_sums<lp_t, ref_t, acc_t>(v, a, b, sums); });
+
+  const acc_t* s = out.seq_log_weight;
+  double num_tokens = 0, num_seqs = 0, kl_sum = 0, nonfinite = 0;
+  for (int64_t i = 0; i < B; ++i) {
+    if (!(length[i] > 0)) continue;
+    num_tokens += length[i];
+    num_seqs += 1;
+    kl_sum += kl[i];
+    nonfinite += std::isfinite(static_cast<double>(s[i])) ? 0 : 1;
+  }
+
+  // Truncated log weights min(s, log C), for the ESS and OPOB options that use them.
+  std::vector<acc_t> s_trunc(B), s_opob(B);
+  for (int64_t i = 0; i < B; ++i) {
+    s_trunc[i] = min_keep_nan(s[i], p.log_hi);
+    s_opob[i] = o.opob_weight == OpobWeight::Raw         ? s[i]
+                : o.opob_weight == OpobWeight::Truncated ? s_trunc[i]
+                                                         : s[i] + s_trunc[i];
+  }
+  const EssResult ess = effective_sample_size(o.ess_on_corrected ? s_trunc.data() : s, length.data(), B,
+                                              o.ess_base_ratio, o.lr_rule);
+
+  const GroupInputs<acc_t> groups{static_cast<const acc_t*>(seq.rewards), length.data(), seq.group, B,
+                                  seq.num_groups};
+  if (o.advantage == Advantage::Given) {
+    const acc_t* given = static_cast<const acc_t*>(seq.advantages);
+    for (int64_t g = 0; g < seq.num_groups; ++g) out.baseline[g] = 0;
+    for (int64_t i = 0; i < B; ++i) out.advantages[i] = length[i] > 0 ? given[i] : acc_t(0);
+  } else if (o.advantage == Advantage::Opob) {
+    opob_baseline(groups, s_opob.data(), static_cast<const acc_t*>(seq.grad_sq_norm), o.opob_length_norm,
+                  o.norm_by_std, out.baseline, out.advantages);
+  } else {
+    classic_advantages(groups, o.advantage, o.norm_by_std, out.baseline, out.advantages);
+  }
+
+  // Sequence weights a_i of the aggregation and sequence-level IS coefficients c_i.
+  double seq_changed = 0, seq_coef = 0;
+  for (int64_t i = 0; i < B; ++i) {
+    if (!(length[i] > 0)) {
+      out.grad_scale[i] = 0;
+      continue;
+    }
+    double a = 0;
+    switch (o.agg) {
+      case LossAgg::TokenMean: a = 1.0 / num_tokens; break;
+      case LossAgg::SeqMeanTokenMean: a = 1.0 / (num_seqs * length[i]); break;
+      case LossAgg::SeqMeanTokenSum: a = 1.0 / num_seqs; break;
+      case LossAgg::SeqMeanTokenSumNorm: a = 1.0 / (num_seqs * o.norm_length); break;
+    }
+    acc_t c = 1;
+    if (p.level != IsLevel::Token) {
+      const acc_t lw = p.level == IsLevel::Geometric ? s[i] / length[i] : s[i];
+      c = is_coef(lw, p);
+      seq_changed += is_changed(lw, p);
+      seq_coef += c;
+    }
+    out.grad_scale[i] = static_cast<acc_t>(a * c);
+  }
+
+  // IS statistics are over the units the correction acts on: sequences, or tokens at token level.
+  const bool token_level = p.level == IsLevel::Token;
+  double loss = 0, ppo_clipped = 0;
+  double unit_changed = token_level ? 0 : seq_changed, unit_coef = token_level ? 0 : seq_coef;
+  const double unit_count = token_level ? num_tokens : num_seqs;
+  if (needs_token_pass(v, p)) {
+    std::vector<acc_t> tl(B), tc(B), tk(B), tp(B);
+    const TokenSums<acc_t> ts{tl.data(), tc.data(), tk.data(), tp.data()};
+    at::parallel_for(0, B, grain, [&](int64_t a, int64_t b) {
+      token_pass<false, lp_t, ref_t, acc_t>(v, a, b, out.advantages, nullptr, p, ts, nullptr);
+    });
+    for (int64_t i = 0; i < B; ++i) {
+      if (!(length[i] > 0)) continue;
+      loss += static_cast<double>(out.grad_scale[i]) * tl[i];
+      ppo_clipped += tp[i];
+      unit_changed += tc[i];
+      unit_coef += tk[i];
+    }
+  } else {
+    for (int64_t i = 0; i < B; ++i) {
+      if (length[i] > 0) loss -= static_cast<double>(out.grad_scale[i]) * out.advantages[i] * length[i];
+    }
+  }
+
+  out.loss[0] = static_cast<acc_t>(loss);
+  acc_t* sc = out.scalars;
+  sc[kEss] = ess.ess;
+  sc[kEssRatio] = ess.ess_ratio;
+  sc[kLrScale] = ess.lr_scale;
+  sc[kIsClipFraction] = unit_count > 0 ? unit_changed / unit_count : 0.0;
+  sc[kMeanIsCoef] = unit_count > 0 ? unit_coef / unit_count : 0.0;
+  sc[kKlK3] = num_tokens > 0 ? kl_sum / num_tokens : 0.0;
+  sc[kNumTokens] = num_tokens;
+  sc[kNumSeqs] = num_seqs;
+  sc[kNumNonfinite] = nonfinite;
+  sc[kPpoClipFraction] = num_tokens > 0 ? ppo_clipped / num_tokens : 0.0;
+}
+
+// d loss / d logp for every token (zero on tokens that do not count).
+template <typename lp_t, typename ref_t, typename acc_t>
+void policy_loss_backward(const TokenView& v, acc_t grad_loss, const acc_t* grad_scale, const acc_t* adv,
+                          const LossParams<acc_t>& p, lp_t* grad) {
+  const int64_t B = v.num_seqs;
+  const int64_t N = v.cu_seqlens[B];
+  std::vector<acc_t> scale(B);
+  for (int64_t i = 0; i < B; ++i) scale[i] = grad_loss * grad_scale[i];
+  const TokenSums<acc_t> unused{nullptr, nullptr, nullptr, nullptr};
+  at::parallel_for(0, B, sequence_grain(B, N), [&](int64_t a, int64_t b) {
+    token_pass<true, lp_t, ref_t, acc_t>(v, a, b, adv, scale.data(), p, unused, grad);
+  });
+}
+
+}  // namespace vcpo

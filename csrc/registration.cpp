@@ -1,0 +1,33 @@
+// Schemas of the vcpo:: ops, shared by every compiled backend (CPU here; CUDA registers the same names).
+// Contract: docs/contract.md. Python wrappers, fake (meta) kernels and autograd: vcpo_kernels/cpu/.
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+// `import vcpo_kernels._C` loads this library, which runs the registrations below.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module);
+}
+}
+
+TORCH_LIBRARY(vcpo, m) {
+  m.def("sequence_stats(Tensor logp, Tensor behavior_logp, Tensor? old_logp, Tensor? mask, Tensor cu_seqlens)"
+        " -> (Tensor seq_log_weight, Tensor seq_length, Tensor seq_kl_k3)");
+  m.def("effective_sample_size(Tensor log_weight, Tensor? seq_length, float ess_base_ratio, int lr_rule)"
+        " -> (Tensor ess, Tensor ess_ratio, Tensor lr_scale)");
+  m.def("opob_baseline(Tensor rewards, Tensor log_weight, Tensor? grad_sq_norm, Tensor? group_index,"
+        " Tensor? seq_length, int num_groups, bool length_norm, bool norm_by_std)"
+        " -> (Tensor baseline, Tensor advantages)");
+  m.def("policy_loss(Tensor logp, Tensor behavior_logp, Tensor? old_logp, Tensor? mask, Tensor cu_seqlens,"
+        " Tensor? rewards, Tensor? advantages, Tensor? group_index, int num_groups, Tensor? grad_sq_norm,"
+        " int is_level, int is_correction, float log_threshold, float log_threshold_low, bool ess_on_corrected,"
+        " float ess_base_ratio, int lr_rule, int advantage, bool norm_by_std, bool opob_length_norm,"
+        " int opob_weight, float? clip_low, float? clip_high, float? clip_c, int loss_agg, float norm_length)"
+        " -> (Tensor loss, Tensor scalars, Tensor baseline, Tensor advantages, Tensor seq_log_weight,"
+        " Tensor grad_scale)");
+  m.def("policy_loss_backward(Tensor grad_loss, Tensor logp, Tensor behavior_logp, Tensor? old_logp,"
+        " Tensor? mask, Tensor cu_seqlens, Tensor grad_scale, Tensor advantages, int is_level,"
+        " int is_correction, float log_threshold, float log_threshold_low, float? clip_low,"
+        " float? clip_high, float? clip_c) -> Tensor grad_logp");
+}

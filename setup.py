@@ -1,0 +1,24 @@
+"""Builds the compiled backends of vcpo_kernels (the C++ CPU op; see docs/contract.md)."""
+import glob
+import os
+
+from setuptools import setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CXX_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-std=c++17"]
+if os.environ.get("VCPO_NATIVE") == "1":  # tune for the build machine's CPU (not portable)
+    CXX_FLAGS.append("-march=native")
+
+setup(
+    ext_modules=[
+        CppExtension(
+            name="vcpo_kernels._C",
+            sources=["csrc/registration.cpp", *sorted(glob.glob("csrc/cpu/*.cpp"))],
+            include_dirs=[os.path.join(HERE, "csrc", "cpu")],
+            extra_compile_args={"cxx": CXX_FLAGS},
+            extra_link_args=["-fopenmp"],
+        )
+    ],
+    cmdclass={"build_ext": BuildExtension},
+)

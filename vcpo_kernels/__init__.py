@@ -1,0 +1,33 @@
+"""vcpo_kernels: fused ops for variance-controlled off-policy policy gradients (math: docs/contract.md).
+
+Each op takes `backend="auto" | "torch" | "cpu" | "triton" | "cuda"`; "torch" is the float64-capable
+reference, "cpu" the compiled C++ kernel, "auto" the fastest available for the input's device."""
+
+from .backends import BACKENDS, available_backends
+from .ops import (
+    Baseline,
+    EffectiveSampleSize,
+    PolicyLossResult,
+    SequenceStats,
+    effective_sample_size,
+    opob_baseline,
+    policy_loss,
+    sequence_stats,
+)
+from .options import PolicyLossOptions
+from .reference import ess_lr_scale
+
+__all__ = [
+    "BACKENDS",
+    "available_backends",
+    "sequence_stats",
+    "effective_sample_size",
+    "opob_baseline",
+    "policy_loss",
+    "ess_lr_scale",
+    "PolicyLossOptions",
+    "PolicyLossResult",
+    "SequenceStats",
+    "EffectiveSampleSize",
+    "Baseline",
+]

@@ -1,0 +1,197 @@
+"""Normalises the two input layouts to one packed form and validates arguments (docs/contract.md, "Inputs"
+and "Bad input"). Every backend receives these normalised batches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+LOGP_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: fp64 inputs stay fp64 (the reference, gradcheck), everything else is fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _require_tensor(name: str, value) -> Tensor:
+    if not isinstance(value, Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def _same_device(name: str, t: Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, but logp is on {device}: all inputs must share a device")
+
+
+def _check_any(name: str, bad: Tensor, what: str) -> None:
+    """Raise if any element of the boolean tensor `bad` is set (one host read: the `validate` cost)."""
+    if bool(bad.any()):
+        raise ValueError(f"{name} {what}")
+
+
+@dataclass
+class TokenBatch:
+    """Token tensors in packed form: `[N]` each, sequence i is `cu_seqlens[i]:cu_seqlens[i+1]`."""
+
+    logp: Tensor
+    behavior_logp: Tensor
+    old_logp: Optional[Tensor]
+    mask: Optional[Tensor]  # bool, None = every token counts
+    cu_seqlens: Tensor  # int64 [B+1]
+    padded_length: Optional[int]  # T of the padded layout, None when packed
+
+    @property
+    def num_seqs(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+    @property
+    def acc_dtype(self) -> torch.dtype:
+        return acc_dtype(self.logp.dtype)
+
+
+def token_batch(
+    logp: Tensor,
+    behavior_logp: Tensor,
+    old_logp: Optional[Tensor] = None,
+    mask: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
+    validate: bool = True,
+) -> TokenBatch:
+    logp = _require_tensor("logp", logp)
+    behavior_logp = _require_tensor("behavior_logp", behavior_logp)
+    if logp.dtype not in LOGP_DTYPES:
+        raise ValueError(f"logp must be float32, bfloat16, float16 or float64, got {logp.dtype}")
+    device = logp.device
+    ref_tensors = {"behavior_logp": behavior_logp}
+    if old_logp is not None:
+        ref_tensors["old_logp"] = _require_tensor("old_logp", old_logp)
+    for name, t in ref_tensors.items():
+        _same_device(name, t, device)
+        if t.shape != logp.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, but logp has {tuple(logp.shape)}")
+        if t.dtype not in (logp.dtype, torch.float32):
+            raise ValueError(f"{name} must have logp's dtype ({logp.dtype}) or float32, got {t.dtype}")
+    if old_logp is not None and old_logp.dtype != behavior_logp.dtype:
+        # The kernels read both at one dtype; one of them is float32, so upcasting loses nothing.
+        behavior_logp, old_logp = behavior_logp.float(), old_logp.float()
+
+    if mask is not None:
+        _require_tensor("mask", mask)
+        _same_device("mask", mask, device)
+        if mask.shape != logp.shape:
+            raise ValueError(f"mask has shape {tuple(mask.shape)}, but logp has {tuple(logp.shape)}")
+        if mask.dtype != torch.bool:
+            mask = mask != 0
+
+    if logp.dim() == 2:
+        if cu_seqlens is not None:
+            raise ValueError("cu_seqlens is for the packed layout: logp must then be 1-D, got 2-D [B, T]")
+        num_seqs, length = logp.shape
+        cu = torch.arange(num_seqs + 1, device=device, dtype=torch.int64) * length
+        padded_length = int(length)
+    elif logp.dim() == 1:
+        if cu_seqlens is None:
+            raise ValueError("cu_seqlens [B+1] is required with packed 1-D logp (or pass padded [B, T] logp)")
+        cu = _require_tensor("cu_seqlens", cu_seqlens)
+        _same_device("cu_seqlens", cu, device)
+        if cu.dim() != 1 or cu.numel() < 1 or cu.dtype.is_floating_point or cu.dtype == torch.bool:
+            raise ValueError(f"cu_seqlens must be a 1-D integer tensor of B+1 offsets, got {cu.dtype} {tuple(cu.shape)}")
+        cu = cu.to(torch.int64)
+        if validate:
+            n = logp.numel()
+            bad = (cu[0] != 0) | (cu[-1] != n)
+            if cu.numel() > 1:
+                bad = bad | (cu[1:] < cu[:-1]).any()
+            _check_any("cu_seqlens", bad, f"must start at 0, be non-decreasing and end at N = {n}")
+        padded_length = None
+    else:
+        raise ValueError(f"logp must be padded [B, T] or packed [N], got shape {tuple(logp.shape)}")
+
+    def flat(t: Optional[Tensor]) -> Optional[Tensor]:
+        return None if t is None else t.reshape(-1).contiguous()
+
+    return TokenBatch(flat(logp), flat(behavior_logp), flat(old_logp), flat(mask), cu.contiguous(), padded_length)
+
+
+@dataclass
+class SequenceBatch:
+    """Per-sequence inputs, `[B]` each, in the accumulation dtype."""
+
+    rewards: Optional[Tensor]
+    advantages: Optional[Tensor]
+    group_index: Optional[Tensor]  # int64, None = one group
+    num_groups: int
+    grad_sq_norm: Optional[Tensor]
+
+
+def per_sequence(name: str, t, num_seqs: int, device: torch.device, dtype: torch.dtype, validate: bool) -> Tensor:
+    """A [B] float input (rewards, advantages, grad_sq_norm) cast to `dtype`; non-finite values are refused."""
+    t = _require_tensor(name, t)
+    _same_device(name, t, device)
+    if t.shape != (num_seqs,):
+        raise ValueError(f"{name} must have shape [B] = [{num_seqs}], got {tuple(t.shape)}")
+    if t.is_complex():
+        raise ValueError(f"{name} must be real, got {t.dtype}")
+    t = t.detach().to(dtype).contiguous()
+    if validate and t.is_floating_point():
+        _check_any(name, ~torch.isfinite(t), "must be finite (found NaN or inf)")
+    return t
+
+
+def group_index_tensor(
+    group_index, num_groups: Optional[int], num_seqs: int, device: torch.device, validate: bool
+) -> tuple[Optional[Tensor], int]:
+    if group_index is None:
+        if num_groups not in (None, 1):
+            raise ValueError(f"num_groups={num_groups} needs a group_index")
+        return None, 1
+    g = _require_tensor("group_index", group_index)
+    _same_device("group_index", g, device)
+    if g.shape != (num_seqs,):
+        raise ValueError(f"group_index must have shape [B] = [{num_seqs}], got {tuple(g.shape)}")
+    if g.dtype.is_floating_point or g.is_complex() or g.dtype == torch.bool:
+        raise ValueError(f"group_index must be an integer tensor, got {g.dtype}")
+    g = g.to(torch.int64).contiguous()
+    if num_groups is None:
+        # Reading the largest index is a host sync on a GPU: pass num_groups to avoid it.
+        num_groups = int(g.max()) + 1 if num_seqs > 0 else 1
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
+        raise ValueError(f"num_groups must be an int >= 1, got {num_groups!r}")
+    if validate and num_seqs > 0:
+        _check_any("group_index", (g < 0) | (g >= num_groups), f"must lie in [0, num_groups) = [0, {num_groups})")
+    return g, num_groups
+
+
+def grad_sq_norm_tensor(grad_sq_norm, num_seqs: int, device: torch.device, dtype: torch.dtype, validate: bool):
+    if grad_sq_norm is None:
+        return None
+    g = per_sequence("grad_sq_norm", grad_sq_norm, num_seqs, device, dtype, validate)
+    if validate:
+        _check_any("grad_sq_norm", g < 0, "must be >= 0 (it is a squared norm)")
+    return g
+
+
+def sequence_batch(
+    tokens: TokenBatch,
+    rewards=None,
+    advantages=None,
+    group_index=None,
+    num_groups: Optional[int] = None,
+    grad_sq_norm=None,
+    batch_scope: bool = False,
+    validate: bool = True,
+) -> SequenceBatch:
+    b, device, dtype = tokens.num_seqs, tokens.logp.device, tokens.acc_dtype
+    if (rewards is None) == (advantages is None):
+        raise ValueError("pass exactly one of rewards (the loss computes advantages) and advantages")
+    r = None if rewards is None else per_sequence("rewards", rewards, b, device, dtype, validate)
+    a = None if advantages is None else per_sequence("advantages", advantages, b, device, dtype, validate)
+    g, ng = group_index_tensor(group_index, num_groups, b, device, validate)
+    if batch_scope:
+        g, ng = None, 1
+    return SequenceBatch(r, a, g, ng, grad_sq_norm_tensor(grad_sq_norm, b, device, dtype, validate))

@@ -1,0 +1,188 @@
+"""The public ops. Each normalises and validates its inputs (inputs.py), picks a backend (backends.py) and
+returns device tensors without a host sync. Math: docs/contract.md."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import backends
+from .inputs import (
+    _require_tensor,
+    grad_sq_norm_tensor,
+    group_index_tensor,
+    per_sequence,
+    sequence_batch,
+    token_batch,
+)
+from .options import SCALAR_FIELDS, PolicyLossOptions
+
+
+def _validating(validate: bool) -> bool:
+    # Value checks read tensor contents; inside torch.compile that would break the graph, so they are skipped
+    # there (shape, dtype and option checks still run while tracing).
+    return validate and not torch.compiler.is_compiling()
+
+
+@dataclass
+class SequenceStats:
+    seq_log_weight: Tensor  # s_i
+    seq_length: Tensor  # L_i (counted tokens, as a float)
+    seq_kl_k3: Tensor  # sum_t exp(Delta) - Delta - 1
+
+
+@dataclass
+class EffectiveSampleSize:
+    ess: Tensor
+    ess_ratio: Tensor
+    lr_scale: Tensor
+
+
+@dataclass
+class Baseline:
+    baseline: Tensor  # [num_groups]
+    advantages: Tensor  # [B]
+
+
+@dataclass
+class PolicyLossResult:
+    """The loss (autograd to logp) and its statistics, all device tensors (docs/contract.md, "Statistics")."""
+
+    loss: Tensor
+    ess: Tensor
+    ess_ratio: Tensor
+    lr_scale: Tensor
+    baseline: Tensor
+    advantages: Tensor
+    seq_log_weight: Tensor
+    is_clip_fraction: Tensor
+    mean_is_coef: Tensor
+    kl_k3: Tensor
+    num_tokens: Tensor
+    num_seqs: Tensor
+    num_nonfinite: Tensor
+    ppo_clip_fraction: Tensor
+
+    def metrics(self) -> dict[str, float]:
+        """The scalar statistics and the loss as Python floats: one host sync, for logging."""
+        names = ("loss",) + SCALAR_FIELDS
+        values = torch.stack([getattr(self, n).detach().double() for n in names]).tolist()
+        return dict(zip(names, values))
+
+
+def sequence_stats(
+    logp: Tensor,
+    behavior_logp: Tensor,
+    *,
+    mask: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
+    old_logp: Optional[Tensor] = None,
+    validate: bool = True,
+    backend: str = "auto",
+) -> SequenceStats:
+    """Per-sequence log IS weight s_i, counted length L_i and K3 sum, in one pass over the tokens."""
+    tokens = token_batch(logp, behavior_logp, old_logp, mask, cu_seqlens, _validating(validate))
+    impl = backends.resolve(backend, tokens.logp.device)
+    return SequenceStats(*impl.sequence_stats(tokens))
+
+
+def _log_weight_tensor(seq_log_weight) -> Tensor:
+    lw = _require_tensor("seq_log_weight", seq_log_weight)
+    if lw.dim() != 1 or lw.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"seq_log_weight must be a 1-D float32/float64 tensor, got {lw.dtype} {tuple(lw.shape)}")
+    return lw.detach().contiguous()
+
+
+def _seq_length_tensor(seq_length, lw: Tensor, validate: bool) -> Optional[Tensor]:
+    if seq_length is None:
+        return None
+    return per_sequence("seq_length", seq_length, lw.numel(), lw.device, lw.dtype, validate)
+
+
+def effective_sample_size(
+    seq_log_weight: Tensor,
+    *,
+    seq_length: Optional[Tensor] = None,
+    ess_base_ratio: float = 1.0,
+    lr_rule: Optional[str] = "sqrt",
+    validate: bool = True,
+    backend: str = "auto",
+) -> EffectiveSampleSize:
+    """ESS = (sum w)^2 / sum w^2 of w = exp(seq_log_weight), in log space, over sequences with seq_length > 0."""
+    opts = PolicyLossOptions(ess_base_ratio=ess_base_ratio, lr_rule=lr_rule)
+    lw = _log_weight_tensor(seq_log_weight)
+    length = _seq_length_tensor(seq_length, lw, _validating(validate))
+    impl = backends.resolve(backend, lw.device)
+    return EffectiveSampleSize(*impl.effective_sample_size(lw, length, opts.ess_base_ratio, opts.lr_rule))
+
+
+def opob_baseline(
+    rewards: Tensor,
+    seq_log_weight: Tensor,
+    *,
+    grad_sq_norm: Optional[Tensor] = None,
+    group_index: Optional[Tensor] = None,
+    num_groups: Optional[int] = None,
+    seq_length: Optional[Tensor] = None,
+    length_norm: bool = False,
+    norm_by_std: bool = True,
+    validate: bool = True,
+    backend: str = "auto",
+) -> Baseline:
+    """Per-group b_g = sum w^2 G R / sum w^2 G (w = exp(seq_log_weight)) and advantages (R - b_g) / sigma_g."""
+    check = _validating(validate)
+    lw = _log_weight_tensor(seq_log_weight)
+    b, device, dtype = lw.numel(), lw.device, lw.dtype
+    r = per_sequence("rewards", rewards, b, device, dtype, check)
+    g, ng = group_index_tensor(group_index, num_groups, b, device, check)
+    gsq = grad_sq_norm_tensor(grad_sq_norm, b, device, dtype, check)
+    length = _seq_length_tensor(seq_length, lw, check)
+    if length_norm and length is None:
+        raise ValueError("length_norm=True needs seq_length")
+    impl = backends.resolve(backend, device)
+    return Baseline(*impl.opob_baseline(r, lw, gsq, g, length, ng, bool(length_norm), bool(norm_by_std)))
+
+
+def policy_loss(
+    logp: Tensor,
+    behavior_logp: Tensor,
+    *,
+    mask: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None,
+    old_logp: Optional[Tensor] = None,
+    rewards: Optional[Tensor] = None,
+    advantages: Optional[Tensor] = None,
+    group_index: Optional[Tensor] = None,
+    num_groups: Optional[int] = None,
+    grad_sq_norm: Optional[Tensor] = None,
+    options: Optional[PolicyLossOptions] = None,
+    validate: bool = True,
+    backend: str = "auto",
+    **option_overrides,
+) -> PolicyLossResult:
+    """The fused VCPO loss: IS weights, ESS, advantages (OPOB by default) and the aggregated surrogate.
+    Options come from `options` (a PolicyLossOptions, or vcpo.VCPOConfig) with keyword overrides."""
+    opts = options if options is not None else PolicyLossOptions()
+    if not isinstance(opts, PolicyLossOptions):
+        raise ValueError(f"options must be a PolicyLossOptions (or vcpo.VCPOConfig), got {type(opts).__name__}")
+    if option_overrides:
+        unknown = set(option_overrides) - {f.name for f in fields(PolicyLossOptions)}
+        if unknown:
+            raise ValueError(f"unknown option(s) {sorted(unknown)}; see PolicyLossOptions")
+        opts = opts.replace(**option_overrides)
+    check = _validating(validate)
+    tokens = token_batch(logp, behavior_logp, old_logp, mask, cu_seqlens, check)
+    batch_scope = opts.advantage == "opob" and opts.opob_scope == "batch"
+    seq = sequence_batch(tokens, rewards, advantages, group_index, num_groups, grad_sq_norm, batch_scope, check)
+    norm_length = opts.norm_length
+    if opts.loss_agg_mode == "seq-mean-token-sum-norm" and norm_length is None:
+        if tokens.padded_length is None:
+            raise ValueError("norm_length is required for loss_agg_mode='seq-mean-token-sum-norm' with packed input")
+        norm_length = max(tokens.padded_length, 1)
+    impl = backends.resolve(backend, tokens.logp.device)
+    loss, scalars, baseline, adv, s = impl.policy_loss(tokens, seq, opts, norm_length)
+    stats = dict(zip(SCALAR_FIELDS, scalars.unbind(0)))
+    return PolicyLossResult(loss=loss, baseline=baseline, advantages=adv, seq_log_weight=s, **stats)

@@ -1,0 +1,118 @@
+"""Options of the VCPO loss (defaults and meaning: docs/contract.md) and their integer codes for the
+compiled ops (mirrored in csrc/cpu/common.h)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+IS_LEVELS = {"sequence": 0, "token": 1, "geometric": 2}
+IS_CORRECTIONS = {"truncate": 0, "mask": 1, "none": 2}
+LR_RULES = {None: 0, "sqrt": 1, "linear": 2}
+ADVANTAGES = {"opob": 0, "grpo": 1, "rloo": 2, "reinforce": 3, "none": 4}
+OPOB_SCOPES = ("group", "batch")
+LOSS_AGG_MODES = {
+    "token-mean": 0,
+    "seq-mean-token-mean": 1,
+    "seq-mean-token-sum": 2,
+    "seq-mean-token-sum-norm": 3,
+}
+# Order of PolicyLossStats' scalar fields in the packed `scalars` tensor of the fused op.
+SCALAR_FIELDS = (
+    "ess",
+    "ess_ratio",
+    "lr_scale",
+    "is_clip_fraction",
+    "mean_is_coef",
+    "kl_k3",
+    "num_tokens",
+    "num_seqs",
+    "num_nonfinite",
+    "ppo_clip_fraction",
+)
+
+
+def _choice(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+
+
+def _positive(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class PolicyLossOptions:
+    """Every option of the fused VCPO loss; invalid values raise ValueError naming the field."""
+
+    is_level: str = "sequence"
+    is_correction: str = "truncate"
+    is_threshold: float = 8.0
+    is_threshold_low: Optional[float] = None  # default 1 / is_threshold
+    ess_on_corrected: bool = False
+    ess_base_ratio: float = 1.0
+    lr_rule: Optional[str] = "sqrt"
+    advantage: str = "opob"
+    norm_by_std: bool = True
+    opob_scope: str = "group"
+    opob_length_norm: bool = False
+    opob_truncated_weights: bool = False
+    reference_compat: bool = False
+    clip_ratio: Optional[Tuple[float, float]] = None
+    clip_ratio_c: Optional[float] = None
+    loss_agg_mode: str = "seq-mean-token-mean"
+    norm_length: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        _choice("is_level", self.is_level, IS_LEVELS)
+        _choice("is_correction", self.is_correction, IS_CORRECTIONS)
+        _positive("is_threshold", self.is_threshold)
+        if self.is_threshold_low is not None:
+            _positive("is_threshold_low", self.is_threshold_low)
+            if self.is_threshold_low > self.is_threshold:
+                raise ValueError(
+                    f"is_threshold_low ({self.is_threshold_low}) must be <= is_threshold ({self.is_threshold})"
+                )
+        _positive("ess_base_ratio", self.ess_base_ratio)
+        _choice("lr_rule", self.lr_rule, LR_RULES)
+        _choice("advantage", self.advantage, ADVANTAGES)
+        _choice("opob_scope", self.opob_scope, OPOB_SCOPES)
+        _choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        for name in ("ess_on_corrected", "norm_by_std", "opob_length_norm", "opob_truncated_weights",
+                     "reference_compat"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.opob_truncated_weights and self.reference_compat:
+            raise ValueError("opob_truncated_weights and reference_compat are exclusive: choose one OPOB weight")
+        if self.clip_ratio is not None:
+            if not isinstance(self.clip_ratio, (tuple, list)) or len(self.clip_ratio) != 2:
+                raise ValueError(f"clip_ratio must be a pair (eps_low, eps_high) or None, got {self.clip_ratio!r}")
+            low, high = self.clip_ratio
+            for side, eps in (("eps_low", low), ("eps_high", high)):
+                if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
+                    raise ValueError(f"clip_ratio {side} must be a finite number >= 0, got {eps!r}")
+            if low >= 1:
+                raise ValueError(f"clip_ratio eps_low must be < 1, got {low!r}")
+            object.__setattr__(self, "clip_ratio", (float(low), float(high)))
+        if self.clip_ratio_c is not None:
+            if self.clip_ratio is None:
+                raise ValueError("clip_ratio_c (dual clip) needs clip_ratio")
+            if _positive("clip_ratio_c", self.clip_ratio_c) <= 1:
+                raise ValueError(f"clip_ratio_c must be > 1, got {self.clip_ratio_c!r}")
+        if self.norm_length is not None:
+            _positive("norm_length", self.norm_length)
+
+    @property
+    def threshold_low(self) -> float:
+        return 1.0 / self.is_threshold if self.is_threshold_low is None else float(self.is_threshold_low)
+
+    @property
+    def opob_weight_code(self) -> int:
+        return 2 if self.reference_compat else 1 if self.opob_truncated_weights else 0
+
+    def replace(self, **changes) -> "PolicyLossOptions":
+        return dataclasses.replace(self, **changes)

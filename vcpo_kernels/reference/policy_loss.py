@@ -1,0 +1,108 @@
+"""Reference fused VCPO loss, differentiable w.r.t. logp by autograd (docs/contract.md, "Loss")."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..inputs import SequenceBatch, TokenBatch
+from ..options import PolicyLossOptions
+from .advantages import sequence_advantages
+from .effective_sample_size import effective_sample_size
+from .segments import segment_ids, segment_sum
+from .sequence_stats import sequence_stats, token_deltas
+
+
+def is_coefficient(log_weight: Tensor, opts: PolicyLossOptions):
+    """(c, changed): the IS coefficient of each unit and whether the correction changed its weight."""
+    log_hi, log_lo = math.log(opts.is_threshold), math.log(opts.threshold_low)
+    if opts.is_correction == "truncate":
+        return torch.exp(torch.clamp(log_weight, max=log_hi)), log_weight > log_hi
+    if opts.is_correction == "mask":
+        kept = (log_weight >= log_lo) & (log_weight <= log_hi)
+        return kept.to(log_weight.dtype), ~kept
+    return torch.ones_like(log_weight), torch.zeros_like(log_weight, dtype=torch.bool)
+
+
+def ppo_surrogate(r: Tensor, adv: Tensor, opts: PolicyLossOptions):
+    """(p, on_clip): per-token surrogate p(r) (without the IS coefficient) and whether a clip branch won."""
+    p = -adv * r
+    on_clip = torch.zeros_like(r, dtype=torch.bool)
+    if opts.clip_ratio is None:
+        return p, on_clip
+    eps_low, eps_high = opts.clip_ratio
+    p2 = -adv * torch.clamp(r, 1 - eps_low, 1 + eps_high)
+    take_unclipped = p >= p2  # ties go to the unclipped branch
+    p, on_clip = torch.where(take_unclipped, p, p2), ~take_unclipped
+    if opts.clip_ratio_c is not None:
+        limit = -adv * opts.clip_ratio_c
+        take_dual = (adv < 0) & ~(p <= limit)
+        p, on_clip = torch.where(take_dual, limit, p), on_clip | take_dual
+    return p, on_clip
+
+
+def aggregation_weights(length: Tensor, opts: PolicyLossOptions, norm_length: Optional[float]) -> Tensor:
+    """a_i, the weight of sequence i's token sum in the loss (0 for invalid sequences)."""
+    valid = length > 0
+    num_seqs = valid.sum().to(length.dtype).clamp(min=1)
+    mode = opts.loss_agg_mode
+    if mode == "token-mean":
+        a = 1 / length.sum().clamp(min=1) * torch.ones_like(length)
+    elif mode == "seq-mean-token-mean":
+        a = 1 / (num_seqs * length.clamp(min=1))
+    elif mode == "seq-mean-token-sum":
+        a = 1 / num_seqs * torch.ones_like(length)
+    else:
+        a = 1 / (num_seqs * norm_length) * torch.ones_like(length)
+    return torch.where(valid, a, 0)
+
+
+def policy_loss(tokens: TokenBatch, seq: SequenceBatch, opts: PolicyLossOptions, norm_length: Optional[float]):
+    """(loss, scalars, baseline, advantages, seq_log_weight); scalars in options.SCALAR_FIELDS order."""
+    cd = tokens.acc_dtype
+    s, length, k3 = sequence_stats(tokens)
+    valid = length > 0
+    num_seqs = valid.sum().to(cd)
+    num_tokens = length.sum()
+    s_trunc = torch.clamp(s, max=math.log(opts.is_threshold))
+    ess, ess_ratio, lr_scale = effective_sample_size(
+        s_trunc if opts.ess_on_corrected else s, length, opts.ess_base_ratio, opts.lr_rule
+    )
+    baseline, adv = sequence_advantages(seq, s, length, opts)
+
+    counted, prox, delta = token_deltas(tokens)
+    ids = segment_ids(tokens.cu_seqlens, tokens.logp.numel())
+    if opts.is_level == "token":
+        coef, changed = is_coefficient(delta, opts)
+        unit_coef, unit_valid, unit_count = coef, counted, num_tokens
+    else:
+        seq_lw = s / length.clamp(min=1) if opts.is_level == "geometric" else s
+        unit_coef, changed = is_coefficient(seq_lw, opts)
+        coef = unit_coef[ids]
+        unit_valid, unit_count = valid, num_seqs
+    lp = torch.where(counted, tokens.logp.to(cd), 0)  # masked tokens get an exact zero gradient
+    if tokens.old_logp is None:
+        prox = lp.detach()
+    p, on_clip = ppo_surrogate(torch.exp(lp - prox), adv[ids], opts)
+    token_loss = torch.where(counted, coef * p, 0)
+    a = aggregation_weights(length, opts, norm_length)
+    loss = (a * segment_sum(token_loss, ids, tokens.num_seqs)).sum()
+
+    denom_units = unit_count.clamp(min=1)
+    denom_tokens = num_tokens.clamp(min=1)
+    scalars = torch.stack([
+        ess,
+        ess_ratio,
+        lr_scale,
+        (changed & unit_valid).sum().to(cd) / denom_units,
+        torch.where(unit_valid, unit_coef, 0).sum() / denom_units,
+        k3.sum() / denom_tokens,
+        num_tokens,
+        num_seqs,
+        (valid & ~torch.isfinite(s)).sum().to(cd),
+        (on_clip & counted).sum().to(cd) / denom_tokens,
+    ]).to(cd)
+    return loss, scalars, baseline, adv, s
