@@ -2,29 +2,23 @@
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 
+from . import reference
+
+try:
+    from . import cpu as _cpu
+
+    _CPU_ERROR = None
+except ImportError as exc:  # the C++ extension was not built
+    _cpu, _CPU_ERROR = None, str(exc)
+
 BACKENDS = ("auto", "torch", "cpu", "triton", "cuda")
-_MODULES = {"torch": "vcpo_kernels.reference", "cpu": "vcpo_kernels.cpu"}
-_load_errors: dict[str, str] = {}
-
-
-def _load(name: str):
-    try:
-        return importlib.import_module(_MODULES[name])
-    except ImportError as exc:  # the extension was not built
-        _load_errors[name] = str(exc)
-        return None
 
 
 def available_backends(device: torch.device | str = "cpu") -> list[str]:
     device = torch.device(device)
-    names = ["torch"]
-    if device.type == "cpu" and _load("cpu") is not None:
-        names.append("cpu")
-    return names
+    return ["torch"] + (["cpu"] if device.type == "cpu" and _cpu is not None else [])
 
 
 def resolve(backend: str, device: torch.device):
@@ -32,12 +26,13 @@ def resolve(backend: str, device: torch.device):
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
     if backend == "auto":
-        backend = "cpu" if device.type == "cpu" and _load("cpu") is not None else "torch"
-    if backend in ("triton", "cuda"):
-        raise ValueError(f"backend={backend!r} is not available in this build (available: 'torch', 'cpu')")
+        backend = "cpu" if device.type == "cpu" and _cpu is not None else "torch"
+    if backend == "torch":
+        return reference
     if backend == "cpu":
         if device.type != "cpu":
             raise ValueError(f"backend='cpu' needs CPU tensors, got tensors on {device}")
-        if _load("cpu") is None:
-            raise ValueError(f"backend='cpu' is not available: the C++ extension failed to load ({_load_errors['cpu']})")
-    return _load(backend)
+        if _cpu is None:
+            raise ValueError(f"backend='cpu' is not available: the C++ extension failed to load ({_CPU_ERROR})")
+        return _cpu
+    raise ValueError(f"backend={backend!r} is not available in this build (available: 'torch', 'cpu')")

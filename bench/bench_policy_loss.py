@@ -1,0 +1,104 @@
+"""Forward+backward benchmark of vcpo_kernels.policy_loss on CPU: eager reference vs torch.compile vs the fused
+C++ op vs a plain copy of its inputs (the bandwidth floor). B = 512 x T = 2048 tokens, fp32, default options.
+
+    python -m pytest bench/bench_policy_loss.py --benchmark-only
+
+bench/conftest.py prints the ratio table (speedups and targets) after pytest-benchmark's own tables.
+"""
+
+import functools
+
+import pytest
+import torch
+
+import vcpo_kernels
+
+torch.set_num_threads(2)
+B, T, GROUP = 512, 2048, 8
+# (warmup, timed) rounds per case: enough for a stable median, a few seconds each on 2 cores.
+ROUNDS = {"eager": (2, 15), "compile": (2, 25), "fused": (3, 60), "fused fwd": (3, 60), "fused bwd": (3, 60),
+          "copy floor": (3, 100)}
+
+
+@functools.cache
+def make_inputs(layout: str) -> dict:
+    g = torch.Generator().manual_seed(0)
+    logp = torch.randn(B, T, generator=g) * 0.3 - 1
+    behavior_logp = logp + 0.05 * torch.randn(B, T, generator=g)
+    prompt = torch.randint(64, 512, (B, 1), generator=g)  # first `prompt` tokens: the prompt, not counted
+    response = (torch.rand(B, 1, generator=g) * (T - prompt - 32)).long() + 32  # then the response; rest: padding
+    pos = torch.arange(T)
+    mask = (pos >= prompt) & (pos < prompt + response)
+    seq = dict(
+        rewards=torch.randint(0, 2, (B,), generator=g).float(),
+        group_index=torch.arange(B) // GROUP,
+        num_groups=B // GROUP,
+    )
+    if layout == "padded":
+        return dict(logp=logp, behavior_logp=behavior_logp, mask=mask, cu_seqlens=None, **seq)
+    cu = torch.zeros(B + 1, dtype=torch.int64)
+    cu[1:] = mask.sum(1).cumsum(0)
+    return dict(logp=logp[mask].contiguous(), behavior_logp=behavior_logp[mask].contiguous(), mask=None,
+                cu_seqlens=cu, **seq)
+
+
+def loss_fn(backend: str):
+    def run(logp, **kw):
+        return vcpo_kernels.policy_loss(logp, validate=False, backend=backend, **kw).loss
+    return run
+
+
+@functools.cache
+def compiled_loss():
+    return torch.compile(loss_fn("torch"), dynamic=False)
+
+
+def fwd_bwd(fn, inputs):
+    kw = dict(inputs)
+    logp = kw.pop("logp")
+
+    def step():
+        leaf = logp.detach().requires_grad_()  # fresh leaf: no gradient accumulation across rounds
+        fn(leaf, **kw).backward()
+    return step
+
+
+def make_case(case: str, inputs: dict):
+    if case == "eager":
+        return fwd_bwd(loss_fn("torch"), inputs)
+    if case == "compile":
+        return fwd_bwd(compiled_loss(), inputs)
+    if case == "fused":
+        return fwd_bwd(loss_fn("cpu"), inputs)
+    if case == "fused fwd":  # torch.ops.vcpo.policy_loss alone (plus the thin Python wrapper)
+        fwd = loss_fn("cpu")
+
+        @torch.no_grad()
+        def step():
+            fwd(**inputs)
+        return step
+    if case == "fused bwd":  # torch.ops.vcpo.policy_loss_backward alone, on the saved tensors of one forward
+        node = loss_fn("cpu")(**{**inputs, "logp": inputs["logp"].detach().requires_grad_()}).grad_fn
+        args, one = (*node.saved_tensors, *node.options), torch.ones(())
+        return lambda: torch.ops.vcpo.policy_loss_backward(one, *args)
+    if case == "copy floor":  # read every token tensor the op reads, once: dst.copy_(src) into preallocated buffers
+        pairs = [(torch.empty_like(t), t) for k in ("logp", "behavior_logp", "mask") if (t := inputs[k]) is not None]
+
+        def step():
+            for dst, src in pairs:
+                dst.copy_(src)
+        return step
+    raise ValueError(case)
+
+
+LAYOUTS = [pytest.param(layout, id=layout, marks=pytest.mark.benchmark(group=layout)) for layout in ("padded", "packed")]
+
+
+@pytest.mark.parametrize("case", list(ROUNDS))
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_policy_loss(benchmark, layout, case):
+    step = make_case(case, make_inputs(layout))
+    step()  # first call outside the timing (torch.compile compiles here, ~30 s once per layout)
+    benchmark.extra_info.update(case=case, layout=layout)
+    warmup, rounds = ROUNDS[case]
+    benchmark.pedantic(step, rounds=rounds, warmup_rounds=warmup)

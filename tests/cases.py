@@ -1,0 +1,31 @@
+"""Option sets every backend is checked under (names are the pytest ids)."""
+
+OPTION_CASES = {
+    "default": {},
+    "token-truncate": dict(is_level="token"),
+    "token-mask": dict(is_level="token", is_correction="mask", is_threshold=1.3),
+    "geometric-truncate": dict(is_level="geometric", is_threshold=1.05),
+    "seq-mask": dict(is_correction="mask", is_threshold=2.0, is_threshold_low=0.7),
+    "seq-none": dict(is_correction="none"),
+    "seq-truncate-low-C": dict(is_threshold=1.2),
+    "ess-corrected": dict(ess_on_corrected=True, is_threshold=1.5),
+    "lr-linear-base": dict(lr_rule="linear", ess_base_ratio=0.55),
+    "lr-none": dict(lr_rule=None),
+    "opob-no-std": dict(norm_by_std=False),
+    "opob-batch": dict(opob_scope="batch"),
+    "opob-length-norm": dict(opob_length_norm=True),
+    "opob-truncated": dict(opob_truncated_weights=True, is_threshold=1.5),
+    "opob-compat": dict(reference_compat=True, is_threshold=1.5),
+    "grpo": dict(advantage="grpo"),
+    "grpo-no-std": dict(advantage="grpo", norm_by_std=False),
+    "rloo": dict(advantage="rloo"),
+    "reinforce": dict(advantage="reinforce"),
+    "none": dict(advantage="none"),
+    "ppo-clip": dict(clip_ratio=(0.2, 0.28)),
+    "ppo-dual-clip": dict(clip_ratio=(0.1, 0.1), clip_ratio_c=1.5),
+    "agg-token-mean": dict(loss_agg_mode="token-mean"),
+    "agg-seq-token-sum": dict(loss_agg_mode="seq-mean-token-sum"),
+    "agg-seq-token-sum-norm": dict(loss_agg_mode="seq-mean-token-sum-norm", norm_length=16.0),
+}
+# Cases whose loss depends on a recomputed proximal policy: run them with old_logp as well.
+WITH_OLD = {"default", "token-truncate", "token-mask", "ppo-clip", "ppo-dual-clip", "geometric-truncate"}

@@ -1,0 +1,175 @@
+"""A second, deliberately naive statement of docs/contract.md: Python loops over sequences and tokens with
+the `math` module in float64, and the gradient derived by hand rather than by autograd. It checks the
+reference backend, which in turn checks every other backend. Not log-space: use moderate inputs."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from vcpo_kernels import PolicyLossOptions
+
+
+@dataclass
+class Seq:
+    lp: list  # current log-probs of the counted tokens only
+    mu: list
+    old: Optional[list]
+    reward: float
+    group: int
+    grad_sq: float
+    advantage: Optional[float] = None  # caller-supplied
+
+
+def _coef(lw: float, o: PolicyLossOptions):
+    c_hi, c_lo = o.is_threshold, o.threshold_low
+    w = math.exp(lw)
+    if o.is_correction == "truncate":
+        return min(w, c_hi), w > c_hi
+    if o.is_correction == "mask":
+        kept = c_lo <= w <= c_hi
+        return (1.0 if kept else 0.0), not kept
+    return 1.0, False
+
+
+def _surrogate(r: float, a: float, o: PolicyLossOptions):
+    """(p, dp/dr, on_clip) per the contract's branch rules."""
+    p, dp, on_clip = -a * r, -a, False
+    if o.clip_ratio is not None:
+        lo, hi = 1 - o.clip_ratio[0], 1 + o.clip_ratio[1]
+        p2 = -a * min(max(r, lo), hi)
+        if not p >= p2:
+            p, dp, on_clip = p2, 0.0, True
+        if o.clip_ratio_c is not None and a < 0 and not p <= -a * o.clip_ratio_c:
+            p, dp, on_clip = -a * o.clip_ratio_c, 0.0, True
+    return p, dp, on_clip
+
+
+def _mean(xs):
+    return sum(xs) / len(xs)
+
+
+def _advantages(seqs: list[Seq], valid: list[int], s: list[float], o: PolicyLossOptions, num_groups: int):
+    b = len(seqs)
+    adv = [0.0] * b
+    baseline = [0.0] * num_groups
+    if any(q.advantage is not None for q in seqs):
+        for i in valid:
+            adv[i] = seqs[i].advantage
+        return baseline, adv
+    batch_opob = o.advantage == "opob" and o.opob_scope == "batch"
+    group_of = (lambda i: 0) if batch_opob else (lambda i: seqs[i].group)
+    n_groups = 1 if batch_opob else num_groups
+    baseline = [0.0] * n_groups
+    members = {g: [i for i in valid if group_of(i) == g] for g in range(n_groups)}
+    all_r = [seqs[i].reward for i in valid]
+    for g, idx in members.items():
+        if not idx:
+            continue
+        rs = [seqs[i].reward for i in idx]
+        n, m = len(rs), _mean(rs)
+        pop_std = math.sqrt(_mean([(x - m) ** 2 for x in rs]))
+        if o.advantage == "opob":
+            log_c = math.log(o.is_threshold)
+            weights = []
+            for i in idx:
+                lw = s[i]
+                if o.opob_truncated_weights:
+                    lw = min(s[i], log_c)
+                if o.reference_compat:
+                    lw = s[i] + min(s[i], log_c)
+                w = math.exp(2 * lw) * seqs[i].grad_sq
+                if o.opob_length_norm:
+                    w /= len(seqs[i].lp) ** 2
+                weights.append(w)
+            b_g = sum(w * x for w, x in zip(weights, rs)) / sum(weights) if sum(weights) > 0 else m
+            baseline[g] = b_g
+            for i in idx:
+                a = seqs[i].reward - b_g
+                adv[i] = a / pop_std if o.norm_by_std and pop_std > 1e-8 else a
+        elif o.advantage == "grpo":
+            baseline[g] = m
+            unbiased = math.sqrt(sum((x - m) ** 2 for x in rs) / (n - 1)) if n > 1 else 0.0
+            for i in idx:
+                a = seqs[i].reward - m
+                adv[i] = a / (unbiased + 1e-6) if o.norm_by_std else a
+        elif o.advantage == "rloo":
+            baseline[g] = m
+            for i in idx:
+                adv[i] = seqs[i].reward - (sum(rs) - seqs[i].reward) / (n - 1) if n > 1 else 0.0
+        elif o.advantage == "reinforce":
+            baseline[g] = _mean(all_r)
+            for i in idx:
+                adv[i] = seqs[i].reward - _mean(all_r)
+        else:
+            for i in idx:
+                adv[i] = seqs[i].reward
+    if o.advantage == "reinforce":
+        baseline = [_mean(all_r) if all_r else 0.0] * n_groups
+    return baseline, adv
+
+
+def oracle(seqs: list[Seq], o: PolicyLossOptions, num_groups: int, norm_length: Optional[float] = None) -> dict:
+    """Loss, d loss / d lp of each counted token, and the statistics."""
+    b = len(seqs)
+    prox = [q.old if q.old is not None else q.lp for q in seqs]
+    deltas = [[p - m for p, m in zip(prox[i], seqs[i].mu)] for i in range(b)]
+    s = [sum(d) for d in deltas]
+    lengths = [len(q.lp) for q in seqs]
+    valid = [i for i in range(b) if lengths[i] > 0]
+    n_tok = sum(lengths)
+    n_seq = len(valid)
+
+    ws = [math.exp(min(s[i], math.log(o.is_threshold)) if o.ess_on_corrected else s[i]) for i in valid]
+    ess = sum(ws) ** 2 / sum(w * w for w in ws) if ws else 0.0
+    ratio = ess / n_seq if n_seq else 0.0
+    x = min(1.0, ratio / o.ess_base_ratio)
+    lr_scale = {"sqrt": math.sqrt(x), "linear": x, None: 1.0}[o.lr_rule]
+
+    baseline, adv = _advantages(seqs, valid, s, o, num_groups)
+
+    loss, grads = 0.0, [[0.0] * lengths[i] for i in range(b)]
+    changed = coef_sum = clipped = 0.0
+    for i in valid:
+        agg = {
+            "token-mean": 1 / n_tok,
+            "seq-mean-token-mean": 1 / (n_seq * lengths[i]),
+            "seq-mean-token-sum": 1 / n_seq,
+            "seq-mean-token-sum-norm": 1 / (n_seq * (norm_length or 1.0)),
+        }[o.loss_agg_mode]
+        if o.is_level != "token":
+            lw = s[i] / lengths[i] if o.is_level == "geometric" else s[i]
+            c_seq, ch = _coef(lw, o)
+            changed += ch
+            coef_sum += c_seq
+        for t in range(lengths[i]):
+            if o.is_level == "token":
+                c, ch = _coef(deltas[i][t], o)
+                changed += ch
+                coef_sum += c
+            else:
+                c = c_seq
+            r = math.exp(seqs[i].lp[t] - prox[i][t]) if seqs[i].old is not None else 1.0
+            p, dp, on_clip = _surrogate(r, adv[i], o)
+            clipped += on_clip
+            loss += agg * c * p
+            grads[i][t] = agg * c * dp * r
+    units = n_tok if o.is_level == "token" else n_seq
+    k3 = sum(math.expm1(d) - d for dl in deltas for d in dl)
+    return {
+        "loss": loss,
+        "grads": grads,
+        "ess": ess,
+        "ess_ratio": ratio,
+        "lr_scale": lr_scale,
+        "baseline": baseline,
+        "advantages": adv,
+        "seq_log_weight": s,
+        "is_clip_fraction": changed / units if units else 0.0,
+        "mean_is_coef": coef_sum / units if units else 0.0,
+        "kl_k3": k3 / n_tok if n_tok else 0.0,
+        "num_tokens": float(n_tok),
+        "num_seqs": float(n_seq),
+        "ppo_clip_fraction": clipped / n_tok if n_tok else 0.0,
+    }

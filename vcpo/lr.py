@@ -1,0 +1,40 @@
+"""ESS-guided learning-rate scaling of one optimizer step."""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from typing import Iterator, Union
+
+import torch
+from torch import Tensor
+
+from vcpo_kernels import ess_lr_scale
+
+__all__ = ["ess_lr_scale", "scale_lr"]
+
+
+@contextmanager
+def scale_lr(optimizer: torch.optim.Optimizer, lr_scale: Union[float, Tensor]) -> Iterator[None]:
+    """Multiply every param group's lr by `lr_scale` for the steps inside the block, then restore it.
+
+    Weight decay scales with it: AdamW decays by lr * weight_decay and L2-style decay (SGD, Adam) enters the
+    gradient, so both follow the scaled lr. A tensor lr_scale stays on the device for param groups whose lr
+    is a tensor; a float lr reads it once (one host sync per step)."""
+    groups = optimizer.param_groups
+    saved = [g["lr"] for g in groups]
+    host_scale = None
+    if any(not isinstance(lr, Tensor) for lr in saved) or not isinstance(lr_scale, Tensor):
+        host_scale = float(lr_scale)
+        if not math.isfinite(host_scale) or host_scale < 0:
+            raise ValueError(f"lr_scale must be finite and >= 0, got {host_scale}")
+    try:
+        for g, lr in zip(groups, saved):
+            if isinstance(lr, Tensor):
+                g["lr"] = lr * (lr_scale if isinstance(lr_scale, Tensor) else host_scale)
+            else:
+                g["lr"] = lr * host_scale
+        yield
+    finally:
+        for g, lr in zip(groups, saved):
+            g["lr"] = lr
