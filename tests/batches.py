@@ -122,7 +122,9 @@ def random_batch(
         old_logp=None if old is None else poison(old).to(dtype),
         mask=counted if layout == "padded" or packed_mask else None,
         cu_seqlens=cu,
-        rewards=torch.randint(0, 3, (b,), generator=g).double() + 0.1 * torch.randn(b, generator=g, dtype=torch.float64),
+        # Integer rewards: ties and constant groups occur, and no group std is tiny (a tiny std amplifies
+        # fp32 rounding of the log weights into the advantages, a conditioning effect, not an error).
+        rewards=torch.randint(0, 4, (b,), generator=g).double(),
         group_index=group_index,
         num_groups=groups + 1,
         grad_sq_norm=torch.rand(b, generator=g, dtype=torch.float64) * 3 + 0.1,

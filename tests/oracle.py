@@ -83,7 +83,8 @@ def _advantages(seqs: list[Seq], valid: list[int], s: list[float], o: PolicyLoss
                 if o.opob_length_norm:
                     w /= len(seqs[i].lp) ** 2
                 weights.append(w)
-            b_g = sum(w * x for w, x in zip(weights, rs)) / sum(weights) if sum(weights) > 0 else m
+            # The contract's centred form of sum W R / sum W: exact (A = 0) for constant-reward groups.
+            b_g = m + sum(w * (x - m) for w, x in zip(weights, rs)) / sum(weights) if sum(weights) > 0 else m
             baseline[g] = b_g
             for i in idx:
                 a = seqs[i].reward - b_g

@@ -57,18 +57,19 @@ void opob_baseline(const GroupInputs<acc_t>& in, const acc_t* log_weight, const 
     log_w[i] = lw;
     if (lw != -kInf<double>) shift[in.group_of(i)] = max_keep_nan(shift[in.group_of(i)], lw);
   }
-  std::vector<double> sum_w(in.num_groups, 0.0), sum_wr(in.num_groups, 0.0);
+  // b = mean + sum W (R - mean) / sum W: exact for one-member and constant-reward groups.
+  std::vector<double> sum_w(in.num_groups, 0.0), sum_wd(in.num_groups, 0.0);
   for (int64_t i = 0; i < in.num_seqs; ++i) {
     if (!in.valid(i)) continue;
     const int64_t g = in.group_of(i);
     const double sh = std::isfinite(shift[g]) ? shift[g] : 0.0;  // NaN/+inf propagate
     const double w = std::exp(log_w[i] - sh);
     sum_w[g] += w;
-    sum_wr[g] += w * in.rewards[i];
+    sum_wd[g] += w * (in.rewards[i] - mom.mean[g]);
   }
   for (int64_t g = 0; g < in.num_groups; ++g) {
     // Every W of the group is 0 (shift = -inf): fall back to the plain mean.
-    baseline[g] = shift[g] == -kInf<double> ? mom.mean[g] : sum_wr[g] / sum_w[g];
+    baseline[g] = shift[g] == -kInf<double> ? mom.mean[g] : mom.mean[g] + sum_wd[g] / sum_w[g];
   }
   for (int64_t i = 0; i < in.num_seqs; ++i) {
     if (!in.valid(i)) {

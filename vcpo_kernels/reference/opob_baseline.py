@@ -36,8 +36,9 @@ def opob_baseline(
     safe_shift = torch.where(torch.isfinite(shift), shift, 0)  # NaN/+inf propagate
     w = torch.exp(log_w - safe_shift[group])
     sum_w = segment_sum(w, group, num_groups)
-    sum_wr = segment_sum(torch.where(valid, w * rewards, 0), group, num_groups)
-    baseline = torch.where(shift == -torch.inf, mean, sum_wr / sum_w)  # all W = 0: plain mean
+    # b = mean + sum W (R - mean) / sum W: exact for one-member and constant-reward groups.
+    sum_wd = segment_sum(torch.where(valid, w * (rewards - mean[group]), 0), group, num_groups)
+    baseline = torch.where(shift == -torch.inf, mean, mean + sum_wd / sum_w)  # all W = 0: plain mean
     sigma = var.sqrt()[group]
     adv = rewards - baseline[group]
     if norm_by_std:
