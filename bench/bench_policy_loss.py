@@ -15,9 +15,9 @@ import vcpo_kernels
 
 torch.set_num_threads(2)
 B, T, GROUP = 512, 2048, 8
-# (warmup, timed) rounds per case: enough for a stable median, a few seconds each on 2 cores.
-ROUNDS = {"eager": (2, 15), "compile": (2, 25), "fused": (3, 60), "fused fwd": (3, 60), "fused bwd": (3, 60),
-          "copy floor": (3, 100)}
+# (warmup, timed) rounds per case: enough for a stable median, about a second or two each on 2 cores.
+ROUNDS = {"eager": (2, 30), "compile": (2, 40), "fused": (5, 200), "fused fwd": (5, 200), "fused bwd": (5, 300),
+          "copy floor": (5, 500)}
 
 
 @functools.cache

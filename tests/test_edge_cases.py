@@ -1,0 +1,133 @@
+"""Edge cases of the contract on every backend: empty batches, all-masked and one-token sequences,
+one-member groups, extreme and non-finite log ratios."""
+
+import math
+
+import pytest
+import torch
+
+import vcpo_kernels as vk
+from batches import random_batch
+from helpers import COMPILED_BACKENDS, assert_matches, run
+
+ALL_BACKENDS = ["torch"] + COMPILED_BACKENDS
+
+
+def _loss(backend, logp, mu, **kw):
+    logp = logp.detach().clone().requires_grad_()
+    out = vk.policy_loss(logp, mu, backend=backend, **kw)
+    out.loss.backward()
+    return out, logp.grad
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_empty_batch(backend, layout):
+    if layout == "padded":
+        logp, kw = torch.zeros(0, 5), {}
+    else:
+        logp, kw = torch.zeros(0), dict(cu_seqlens=torch.zeros(1, dtype=torch.int64))
+    out, grad = _loss(backend, logp, logp.clone(), rewards=torch.zeros(0), **kw)
+    assert out.loss.item() == 0 and grad.shape == logp.shape
+    assert out.ess.item() == 0 and out.ess_ratio.item() == 0 and out.lr_scale.item() == 0
+    assert out.num_seqs.item() == 0 and out.num_tokens.item() == 0
+    assert out.advantages.shape == (0,) and out.baseline.shape == (1,)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_all_sequences_masked(backend):
+    logp = torch.full((3, 4), torch.nan)  # nothing counts, so nothing may be read
+    out, grad = _loss(backend, logp, logp.clone(), mask=torch.zeros(3, 4, dtype=torch.bool), rewards=torch.ones(3))
+    assert out.loss.item() == 0 and torch.all(grad == 0)
+    assert out.lr_scale.item() == 0 and out.num_seqs.item() == 0 and out.num_nonfinite.item() == 0
+    assert torch.all(out.advantages == 0)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("advantage", ["opob", "grpo", "rloo"])
+def test_one_member_groups_have_zero_advantage(backend, advantage):
+    batch = random_batch(4, "padded")
+    b = batch.rewards.numel()
+    out, grad = _loss(backend, batch.logp, batch.behavior_logp, mask=batch.mask, rewards=batch.rewards,
+                      group_index=torch.arange(b), advantage=advantage)
+    assert torch.all(out.advantages == 0)
+    assert torch.all(grad == 0)
+    valid = batch.mask.any(1)
+    torch.testing.assert_close(out.baseline.double()[valid], batch.rewards[valid], rtol=0, atol=0)
+
+
+def _extreme_batch(scale, dtype):
+    """Sequences whose log weights s_i reach about +-scale: exp(s) overflows any float type."""
+    g = torch.Generator().manual_seed(0)
+    b, t = 6, 10
+    logp = -torch.rand(b, t, generator=g, dtype=torch.float64)
+    offsets = torch.tensor([1.0, 0.999, 0.5, -0.2, -1.0, 0.9999], dtype=torch.float64)[:, None] * scale / t
+    mu = logp - offsets - 1e-3 * torch.randn(b, t, generator=g, dtype=torch.float64)
+    return logp.to(dtype), mu.to(dtype)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("scale", [100.0, 1e4])
+def test_extreme_log_ratios(backend, dtype, scale):
+    logp, mu = _extreme_batch(scale, dtype)
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 0.0])
+    groups = torch.tensor([0, 0, 0, 1, 1, 1])
+    out, grad = _loss(backend, logp, mu, rewards=rewards, group_index=groups, grad_sq_norm=torch.rand(6) + 0.5)
+    for name in ("loss", "ess", "ess_ratio", "lr_scale", "baseline", "advantages"):
+        assert torch.all(torch.isfinite(getattr(out, name))), name
+    assert torch.all(torch.isfinite(grad)) and out.num_nonfinite.item() == 0
+    # ESS is shift-invariant: the same weights shifted by -max give ordinary numbers.
+    s = out.seq_log_weight.double()
+    w = torch.exp(s - s.max())
+    want = (w.sum() ** 2 / (w * w).sum()).item()
+    assert math.isclose(out.ess.item(), want, rel_tol=1e-3 if dtype == torch.float32 else 1e-9)
+    assert 1 / 6 - 1e-6 <= out.ess_ratio.item() <= 1 + 1e-6
+    # Baselines stay within each group's reward range.
+    assert torch.all((out.baseline >= 0) & (out.baseline <= 1))
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("bad", [torch.nan, torch.inf])
+def test_nonfinite_weights_skip_the_step(backend, bad):
+    """NaN in a counted logp, or mu = -inf (so s = +inf), is reported and never turns into a full lr."""
+    batch = random_batch(8, "padded")
+    logp, mu = batch.logp.clone(), batch.behavior_logp.clone()
+    if bad != bad:
+        logp[0, batch.mask[0].nonzero()[0, 0]] = torch.nan
+    else:
+        mu[0, batch.mask[0].nonzero()[0, 0]] = -torch.inf
+    for rule in ("sqrt", "linear", None):
+        out = vk.policy_loss(logp, mu, mask=batch.mask, rewards=batch.rewards, group_index=batch.group_index,
+                             backend=backend, lr_rule=rule)
+        assert out.num_nonfinite.item() == 1
+        assert math.isnan(out.ess_ratio.item())
+        assert out.lr_scale.item() == 0
+
+
+@pytest.mark.parametrize("backend", COMPILED_BACKENDS)
+def test_zero_weight_sequence_is_not_an_error(backend):
+    """logp = -inf on a counted token gives s = -inf: a zero weight, reported but not a skipped step."""
+    batch = random_batch(9, "packed", with_old=True)
+    first = int(batch.cu_seqlens[3])
+    batch.mask[first] = True
+    batch.old_logp, batch.behavior_logp = batch.old_logp.clone(), batch.behavior_logp.clone()
+    batch.old_logp[first], batch.behavior_logp[first] = -torch.inf, -1.0
+    want, _ = run(batch.to(torch.float64), "torch")
+    got, _ = run(batch, backend)
+    assert got.num_nonfinite.item() == 1 and got.lr_scale.item() > 0
+    torch.testing.assert_close(got.ess.double(), want.ess, rtol=2e-5, atol=0)
+
+
+@pytest.mark.parametrize("backend", COMPILED_BACKENDS)
+def test_masked_values_are_never_read(backend):
+    """NaN, +-inf or zeros in the tokens that do not count give bitwise the same result."""
+    batch = random_batch(10, "padded", with_old=True)
+    results = []
+    for fill in (0.0, torch.nan, torch.inf, -torch.inf):
+        b = batch.to(torch.float32)
+        for name in ("logp", "behavior_logp", "old_logp"):
+            setattr(b, name, torch.where(batch.mask, getattr(b, name), fill))
+        results.append(run(b, backend, is_level="token"))
+    for out, grad in results[1:]:
+        assert_matches(out, grad, *results[0], rtol=0, atol=0)
