@@ -91,7 +91,7 @@ def make_case(case: str, inputs: dict):
     raise ValueError(case)
 
 
-LAYOUTS = [pytest.param(layout, id=layout, marks=pytest.mark.benchmark(group=layout)) for layout in ("padded", "packed")]
+LAYOUTS = [pytest.param(lay, id=lay, marks=pytest.mark.benchmark(group=lay)) for lay in ("padded", "packed")]
 
 
 @pytest.mark.parametrize("case", list(ROUNDS))
