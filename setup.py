@@ -14,7 +14,7 @@ setup(
     ext_modules=[
         CppExtension(
             name="vcpo_kernels._C",
-            sources=["csrc/registration.cpp", *sorted(glob.glob("csrc/cpu/*.cpp"))],
+            sources=["csrc/registration.cpp", "csrc/autograd.cpp", *sorted(glob.glob("csrc/cpu/*.cpp"))],
             include_dirs=[os.path.join(HERE, "csrc", "cpu")],
             extra_compile_args={"cxx": CXX_FLAGS},
             extra_link_args=["-fopenmp"],

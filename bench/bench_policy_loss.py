@@ -16,8 +16,7 @@ import vcpo_kernels
 torch.set_num_threads(2)
 B, T, GROUP = 512, 2048, 8
 # (warmup, timed) rounds per case: enough for a stable median, about a second or two each on 2 cores.
-ROUNDS = {"eager": (2, 30), "compile": (2, 40), "fused": (5, 200), "fused fwd": (5, 200), "fused bwd": (5, 300),
-          "copy floor": (5, 500)}
+ROUNDS = {"eager": (2, 30), "compile": (2, 40), "fused": (5, 200), "fused fwd": (5, 200), "copy floor": (5, 500)}
 
 
 @functools.cache
@@ -77,10 +76,6 @@ def make_case(case: str, inputs: dict):
         def step():
             fwd(**inputs)
         return step
-    if case == "fused bwd":  # torch.ops.vcpo.policy_loss_backward alone, on the saved tensors of one forward
-        node = loss_fn("cpu")(**{**inputs, "logp": inputs["logp"].detach().requires_grad_()}).grad_fn
-        args, one = (*node.saved_tensors, *node.options), torch.ones(())
-        return lambda: torch.ops.vcpo.policy_loss_backward(one, *args)
     if case == "copy floor":  # read every token tensor the op reads, once: dst.copy_(src) into preallocated buffers
         pairs = [(torch.empty_like(t), t) for k in ("logp", "behavior_logp", "mask") if (t := inputs[k]) is not None]
 

@@ -146,6 +146,9 @@ def opob_baseline(
     return Baseline(*impl.opob_baseline(r, lw, gsq, g, length, ng, bool(length_norm), bool(norm_by_std)))
 
 
+_DEFAULT_OPTIONS = PolicyLossOptions()
+
+
 def policy_loss(
     logp: Tensor,
     behavior_logp: Tensor,
@@ -165,7 +168,7 @@ def policy_loss(
 ) -> PolicyLossResult:
     """The fused VCPO loss: IS weights, ESS, advantages (OPOB by default) and the aggregated surrogate.
     Options come from `options` (a PolicyLossOptions, or vcpo.VCPOConfig) with keyword overrides."""
-    opts = options if options is not None else PolicyLossOptions()
+    opts = options if options is not None else _DEFAULT_OPTIONS
     if not isinstance(opts, PolicyLossOptions):
         raise ValueError(f"options must be a PolicyLossOptions (or vcpo.VCPOConfig), got {type(opts).__name__}")
     if option_overrides:

@@ -1,6 +1,7 @@
 // The fused VCPO policy loss: sequence sums (pass 1), the small per-batch/per-group step (ESS, advantages,
 // IS coefficients), the per-token pass for the loss value (pass 2, only when the token terms differ within
 // a sequence), and the backward pass that writes d loss / d logp. Contract: docs/contract.md.
+// The per-token loops live in sequence_stats.h and token_pass.h; dispatch.h picks their instruction set.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -9,116 +10,10 @@
 
 #include "advantages.h"
 #include "common.h"
+#include "dispatch.h"
 #include "effective_sample_size.h"
-#include "sequence_stats.h"
 
 namespace vcpo {
-
-template <typename acc_t>
-struct LossParams {
-  IsLevel level;
-  IsCorrection correction;
-  acc_t log_hi, log_lo;  // log C and log C_low
-  bool clip;
-  acc_t ratio_lo, ratio_hi;  // 1 - eps_low, 1 + eps_high
-  bool dual_clip;
-  acc_t dual_c;
-};
-
-// IS coefficient of a unit with log weight lw, and whether the correction changed it.
-template <typename acc_t>
-inline acc_t is_coef(acc_t lw, const LossParams<acc_t>& p) {
-  const acc_t truncated = exp_fast(min_keep_nan(lw, p.log_hi));
-  const acc_t kept = (lw >= p.log_lo && lw <= p.log_hi) ? acc_t(1) : acc_t(0);
-  return p.correction == IsCorrection::Truncate ? truncated : p.correction == IsCorrection::Mask ? kept : acc_t(1);
-}
-template <typename acc_t>
-inline acc_t is_changed(acc_t lw, const LossParams<acc_t>& p) {
-  const bool out = p.correction == IsCorrection::Truncate ? lw > p.log_hi
-                   : p.correction == IsCorrection::Mask   ? !(lw >= p.log_lo && lw <= p.log_hi)
-                                                          : false;
-  return out ? acc_t(1) : acc_t(0);
-}
-
-// Per-sequence results of the token pass.
-template <typename acc_t>
-struct TokenSums {
-  acc_t* loss;        // sum_t c_tok * p(r)
-  acc_t* changed;     // token-level units the IS correction changed
-  acc_t* coef;        // sum_t c_tok
-  acc_t* ppo_clipped; // tokens on a PPO clip branch
-};
-
-// The per-token surrogate and its derivative wrt lp, for one sequence. In the forward it accumulates the
-// loss and statistics (WriteGrad = false); in the backward it writes grad[t] (WriteGrad = true).
-template <bool HasOld, bool HasMask, bool TokenLevel, bool WriteGrad, typename lp_t, typename ref_t,
-          typename acc_t>
-inline void token_pass_one(const TokenView& v, int64_t i, acc_t adv, acc_t grad_scale, const LossParams<acc_t>& p,
-                           const TokenSums<acc_t>& sums, lp_t* grad) {
-  const lp_t* lp = static_cast<const lp_t*>(v.logp);
-  const ref_t* mu = static_cast<const ref_t*>(v.behavior_logp);
-  const ref_t* old = static_cast<const ref_t*>(v.old_logp);
-  const bool* mask = v.mask;
-  const int64_t begin = v.cu_seqlens[i], end = v.cu_seqlens[i + 1];
-  const bool dual = p.dual_clip && adv < 0;
-  const acc_t dual_limit = -adv * p.dual_c;
-  acc_t loss = 0, changed = 0, coef_sum = 0, clipped = 0;
-#pragma omp simd reduction(+ : loss, changed, coef_sum, clipped)
-  for (int64_t t = begin; t < end; ++t) {
-    const bool counted = HasMask ? mask[t] : true;
-    const acc_t cur = counted ? load<acc_t>(lp, t) : acc_t(0);
-    const acc_t prox = HasOld ? (counted ? load<acc_t>(old, t) : acc_t(0)) : cur;
-    acc_t c = 1;
-    if (TokenLevel) {
-      const acc_t d = counted ? prox - load<acc_t>(mu, t) : acc_t(0);
-      c = is_coef(d, p);
-      changed += counted ? is_changed(d, p) : acc_t(0);
-      coef_sum += counted ? c : acc_t(0);
-    }
-    const acc_t r = HasOld ? exp_fast(cur - prox) : acc_t(1);
-    const acc_t p1 = -adv * r;
-    acc_t val = p1, dval = -adv;  // d p / d r
-    bool on_clip = false;
-    if (p.clip) {
-      const acc_t rc = r < p.ratio_lo ? p.ratio_lo : (r > p.ratio_hi ? p.ratio_hi : r);
-      const acc_t p2 = -adv * rc;
-      const bool take_unclipped = p1 >= p2;  // ties go to the unclipped branch
-      val = take_unclipped ? p1 : p2;
-      dval = take_unclipped ? dval : acc_t(0);
-      on_clip = !take_unclipped;
-      const bool take_dual = dual && !(val <= dual_limit);
-      val = take_dual ? dual_limit : val;
-      dval = take_dual ? acc_t(0) : dval;
-      on_clip = on_clip || take_dual;
-    }
-    loss += counted ? c * val : acc_t(0);
-    clipped += (counted && on_clip) ? acc_t(1) : acc_t(0);
-    if (WriteGrad) grad[t] = static_cast<lp_t>(counted ? grad_scale * c * dval * r : acc_t(0));
-  }
-  if (!WriteGrad) {
-    sums.loss[i] = loss;
-    sums.changed[i] = changed;
-    sums.coef[i] = coef_sum;
-    sums.ppo_clipped[i] = clipped;
-  }
-}
-
-// Sequences [first, last) of the token pass, with the runtime flags turned into template flags.
-template <bool WriteGrad, typename lp_t, typename ref_t, typename acc_t>
-void token_pass(const TokenView& v, int64_t first, int64_t last, const acc_t* adv, const acc_t* grad_scale,
-                const LossParams<acc_t>& p, const TokenSums<acc_t>& sums, lp_t* grad) {
-  for_each_flag(v.old_logp != nullptr, v.mask != nullptr, [&](auto has_old, auto has_mask) {
-    constexpr bool kOld = decltype(has_old)::value, kMask = decltype(has_mask)::value;
-    for (int64_t i = first; i < last; ++i) {
-      const acc_t scale = grad_scale ? grad_scale[i] : acc_t(0);
-      if (p.level == IsLevel::Token) {
-        token_pass_one<kOld, kMask, true, WriteGrad, lp_t, ref_t, acc_t>(v, i, adv[i], scale, p, sums, grad);
-      } else {
-        token_pass_one<kOld, kMask, false, WriteGrad, lp_t, ref_t, acc_t>(v, i, adv[i], scale, p, sums, grad);
-      }
-    }
-  });
-}
 
 // Whether r or c vary within a sequence. If not (bypass mode, sequence-level weights), every counted token of
 // sequence i has loss -c_i A_i and gradient -a_i c_i A_i, and no token pass is needed.

@@ -21,30 +21,8 @@ def _fake_backward(grad_loss, logp, *rest):
     return torch.empty_like(logp)
 
 
-# Arguments of policy_loss_backward after (grad_loss, logp, behavior_logp, old_logp, mask, cu_seqlens,
-# grad_scale, advantages): positions of the same options in policy_loss's argument list.
-_BACKWARD_OPTION_ARGS = (10, 11, 12, 13, 21, 22, 23)
-
-
-def _setup_context(ctx, inputs, output):
-    logp, behavior_logp, old_logp, mask, cu_seqlens = inputs[:5]
-    _, _, _, advantages, _, grad_scale = output
-    ctx.save_for_backward(logp, behavior_logp, old_logp, mask, cu_seqlens, grad_scale, advantages)
-    ctx.options = tuple(inputs[i] for i in _BACKWARD_OPTION_ARGS)
-    ctx.mark_non_differentiable(*output[1:])
-    ctx.num_inputs = len(inputs)
-
-
-def _backward(ctx, grad_loss, *_unused):
-    grad = torch.ops.vcpo.policy_loss_backward(grad_loss, *ctx.saved_tensors, *ctx.options)
-    return (grad,) + (None,) * (ctx.num_inputs - 1)
-
-
-torch.library.register_autograd("vcpo::policy_loss", _backward, setup_context=_setup_context)
-
-
 def policy_loss(tokens: TokenBatch, seq: SequenceBatch, opts: PolicyLossOptions, norm_length):
-    """(loss, scalars, baseline, advantages, seq_log_weight); d loss / d logp by the backward op."""
+    """(loss, scalars, baseline, advantages, seq_log_weight); autograd is registered in C++ (csrc/autograd.cpp)."""
     t = tokens
     clip_low, clip_high = opts.clip_ratio if opts.clip_ratio is not None else (None, None)
     loss, scalars, baseline, adv, s, _ = torch.ops.vcpo.policy_loss(
