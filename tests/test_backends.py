@@ -99,3 +99,22 @@ def test_large_batches_use_threads(backend, num_seqs, max_len):
     want, want_grad = run(batch.to(torch.float64), "torch", is_level="token", clip_ratio=(0.2, 0.2))
     got, got_grad = run(batch, backend, is_level="token", clip_ratio=(0.2, 0.2))
     assert_matches(got, got_grad, want, want_grad, rtol=1e-4, atol=1e-6)
+
+
+def test_prompt_response_padding_rows(backend):
+    """The usual padded RL row, [prompt | response | padding], with spans of every length around the 8-byte
+    steps in which the kernel skips uncounted tokens, and a few uncounted tokens (tool output) inside."""
+    batch = random_batch(12, "padded", num_seqs=40, max_len=64, with_old=True)
+    g = torch.Generator().manual_seed(12)
+    pos = torch.arange(64)
+    prompt = torch.arange(40) % 23  # 0..22
+    response = (torch.arange(40) * 7) % 41  # 0..40, so some rows are empty
+    mask = (pos >= prompt[:, None]) & (pos < (prompt + response)[:, None])
+    mask &= torch.rand(40, 64, generator=g) < 0.95
+    batch.mask = mask
+    for name in ("logp", "behavior_logp", "old_logp"):
+        setattr(batch, name, torch.where(mask, getattr(batch, name).nan_to_num(-1.0), torch.nan))
+    for opts in ({}, dict(is_level="token", clip_ratio=(0.2, 0.2))):
+        want, want_grad = run(batch.to(torch.float64), "torch", **opts)
+        got, got_grad = run(batch, backend, **opts)
+        assert_matches(got, got_grad, want, want_grad, rtol=2e-5, atol=2e-6)

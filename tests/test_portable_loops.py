@@ -16,7 +16,7 @@ HERE = Path(__file__).resolve().parent
 @pytest.mark.skipif(not COMPILED_BACKENDS, reason="the C++ extension is not built")
 def test_generic_loops_match_reference():
     env = {**os.environ, "VCPO_CPU_ISA": "generic"}
-    selection = "default or token or ppo or half or large or masked or extreme"
+    selection = "default or token or ppo or half or large or masked or extreme or prompt_response"
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", selection,
          str(HERE / "test_backends.py"), str(HERE / "test_edge_cases.py")],

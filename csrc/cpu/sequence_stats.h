@@ -22,6 +22,26 @@ struct SequenceSums {
   acc_t* kl_k3;
 };
 
+// Narrows [begin, end) to the span from the first to the last counted token, 8 mask bytes at a time: in a
+// padded batch the prompt and the padding need not be read at all (they add nothing to any sum).
+VCPO_INLINE void trim_to_counted(const bool* mask, int64_t& begin, int64_t& end) {
+  const uint8_t* m = reinterpret_cast<const uint8_t*>(mask);
+  while (end - begin >= 8) {
+    uint64_t word;
+    __builtin_memcpy(&word, m + begin, 8);
+    if (word != 0) break;
+    begin += 8;
+  }
+  while (begin < end && m[begin] == 0) ++begin;
+  while (end - begin >= 8) {
+    uint64_t word;
+    __builtin_memcpy(&word, m + end - 8, 8);
+    if (word != 0) break;
+    end -= 8;
+  }
+  while (end > begin && m[end - 1] == 0) --end;
+}
+
 // One sequence; HasOld/HasMask are template flags so the inner loop has no branches and vectorises.
 template <bool HasOld, bool HasMask, typename lp_t, typename ref_t, typename acc_t>
 VCPO_INLINE void sequence_sums_one(const TokenView& v, int64_t i, const SequenceSums<acc_t>& out) {
@@ -29,7 +49,8 @@ VCPO_INLINE void sequence_sums_one(const TokenView& v, int64_t i, const Sequence
   const ref_t* mu = static_cast<const ref_t*>(v.behavior_logp);
   const ref_t* old = static_cast<const ref_t*>(v.old_logp);
   const bool* mask = v.mask;
-  const int64_t begin = v.cu_seqlens[i], end = v.cu_seqlens[i + 1];
+  int64_t begin = v.cu_seqlens[i], end = v.cu_seqlens[i + 1];
+  if (HasMask) trim_to_counted(mask, begin, end);
   acc_t s = 0, len = 0, k3 = 0;
 #pragma omp simd reduction(+ : s, len, k3)
   for (int64_t t = begin; t < end; ++t) {
