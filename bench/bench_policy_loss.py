@@ -1,5 +1,6 @@
 """Forward+backward benchmark of vcpo_kernels.policy_loss on CPU: eager reference vs torch.compile vs the fused
-C++ op vs a plain copy of its inputs (the bandwidth floor). B = 512 x T = 2048 tokens, fp32, default options.
+C++ op vs a plain copy of its inputs (the bandwidth floor). B = 512 x T = 2048 tokens, fp32, default options;
+and the same B with one token per sequence ("latency": the fixed cost of a call).
 
     python -m pytest bench/bench_policy_loss.py --benchmark-only
 
@@ -21,6 +22,10 @@ ROUNDS = {"eager": (2, 30), "compile": (2, 40), "fused": (5, 200), "fused fwd": 
 
 @functools.cache
 def make_inputs(layout: str) -> dict:
+    if layout == "latency":  # B sequences of one token each: the fixed cost of one call, no bandwidth
+        logp = torch.randn(B, 1) * 0.3 - 1
+        return dict(logp=logp, behavior_logp=logp + 0.05, mask=None, cu_seqlens=None, rewards=torch.rand(B),
+                    group_index=torch.arange(B) // GROUP, num_groups=B // GROUP)
     g = torch.Generator().manual_seed(0)
     logp = torch.randn(B, T, generator=g) * 0.3 - 1
     behavior_logp = logp + 0.05 * torch.randn(B, T, generator=g)
@@ -86,7 +91,7 @@ def make_case(case: str, inputs: dict):
     raise ValueError(case)
 
 
-LAYOUTS = [pytest.param(lay, id=lay, marks=pytest.mark.benchmark(group=lay)) for lay in ("padded", "packed")]
+LAYOUTS = [pytest.param(lay, id=lay, marks=pytest.mark.benchmark(group=lay)) for lay in ("padded", "packed", "latency")]
 
 
 @pytest.mark.parametrize("case", list(ROUNDS))

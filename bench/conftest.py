@@ -56,4 +56,6 @@ def pytest_terminal_summary(terminalreporter, config):
         for label, num, den, target, met in RATIOS:
             if num in cases and den in cases:
                 r = cases[num] / cases[den]
-                write(f"  {label:<20} {r:7.2f}x   target {target:<6} {'MET' if met(r) else 'MISSED'}")
+                # The targets are for the 1M-token layouts; "latency" shows the fixed cost of a call.
+                verdict = f"target {target:<6} {'MET' if met(r) else 'MISSED'}" if layout != "latency" else ""
+                write(f"  {label:<20} {r:7.2f}x   {verdict}")
