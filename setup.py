@@ -6,9 +6,8 @@ from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# Portable flags: the AVX2 loops are compiled in their own file and chosen at run time (csrc/cpu/dispatch.h).
 CXX_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-std=c++17"]
-if os.environ.get("VCPO_NATIVE") == "1":  # tune for the build machine's CPU (not portable)
-    CXX_FLAGS.append("-march=native")
 
 setup(
     ext_modules=[

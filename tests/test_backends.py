@@ -118,3 +118,19 @@ def test_prompt_response_padding_rows(backend):
         want, want_grad = run(batch.to(torch.float64), "torch", **opts)
         got, got_grad = run(batch, backend, **opts)
         assert_matches(got, got_grad, want, want_grad, rtol=2e-5, atol=2e-6)
+
+
+def test_deterministic_across_thread_counts(backend):
+    """Each sequence is reduced by one thread in a fixed order and the per-sequence results are combined
+    serially, so the result is bitwise the same for any number of threads."""
+    batch = random_batch(13, "packed", num_seqs=64, max_len=900, with_old=True, groups=8)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(run(batch, backend, is_level="token", clip_ratio=(0.2, 0.2)))
+    finally:
+        torch.set_num_threads(threads)
+    for out, grad in results[1:]:
+        assert_matches(out, grad, *results[0], rtol=0, atol=0)
