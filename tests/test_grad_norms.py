@@ -1,0 +1,149 @@
+"""Per-sequence squared gradient norms from one backward against a brute-force loop (one backward per
+sequence, then the norm), in float64, on small models with every supported layer kind and on tiny random
+Hugging Face causal LMs (Llama, Qwen2 tied and untied, GPT-2)."""
+
+import pytest
+import torch
+from torch import nn
+
+from vcpo.grad_norms import PerSequenceGradients
+
+
+def brute_force(objectives, params):
+    """||d objective_i / d params||^2 for each sequence, one backward each."""
+    out = []
+    for obj in objectives:
+        grads = torch.autograd.grad(obj, params, retain_graph=True, allow_unused=True)
+        out.append(sum(g.double().pow(2).sum() for g in grads if g is not None))
+    return torch.stack(out)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(d))
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class TokenwiseLM(nn.Module):
+    """No attention, so packed sequences stay independent: embeddings (token and position, one with a
+    padding index), LayerNorm, RMSNorm, linear layers with and without bias, a tied LM head."""
+
+    def __init__(self, vocab=11, d=6, tied=True):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d, padding_idx=0)
+        self.pos = nn.Embedding(40, d)
+        self.ln = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d, bias=False)
+        self.norm = RMSNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        if tied:
+            self.head.weight = self.tok.weight
+
+    def forward(self, ids, pos):
+        h = self.tok(ids) + self.pos(pos)
+        h = h + self.down(torch.tanh(self.up(self.ln(h))))
+        return self.head(self.norm(h))
+
+
+def _token_logp(logits, targets):
+    return torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("ghost", [None, True, False])
+def test_padded_tokenwise_model(tied, ghost):
+    torch.manual_seed(0)
+    model = TokenwiseLM(tied=tied).double()
+    b, t = 5, 9
+    ids = torch.randint(0, 11, (b, t))  # includes the padding index 0
+    targets = torch.randint(0, 11, (b, t))
+    mask = torch.rand(b, t) < 0.8
+    mask[1] = False
+    mask[1, 0] = True  # a one-token sequence
+    pos = torch.arange(t).expand(b, t)
+    params = [p for p in model.parameters()]
+    logp = _token_logp(model(ids, pos), targets)
+    want = brute_force([(logp[i] * mask[i]).sum() for i in range(b)], params)
+    with PerSequenceGradients(model, num_seqs=b, ghost=ghost) as psg:
+        logp = _token_logp(model(ids, pos), targets)
+        (logp * mask).sum().backward()
+    torch.testing.assert_close(psg.sq_norms(), want, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_packed_tokenwise_model(tied):
+    torch.manual_seed(1)
+    model = TokenwiseLM(tied=tied).double()
+    lengths = torch.tensor([4, 1, 7, 3])
+    cu = torch.zeros(5, dtype=torch.int64)
+    cu[1:] = lengths.cumsum(0)
+    n = int(cu[-1])
+    ids = torch.randint(0, 11, (1, n))
+    targets = torch.randint(0, 11, (1, n))
+    pos = torch.cat([torch.arange(int(k)) for k in lengths]).unsqueeze(0)
+    params = list(model.parameters())
+    logp = _token_logp(model(ids, pos), targets)[0]
+    want = brute_force([logp[int(cu[i]):int(cu[i + 1])].sum() for i in range(4)], params)
+    with PerSequenceGradients(model, cu_seqlens=cu) as psg:
+        _token_logp(model(ids, pos), targets).sum().backward()
+    torch.testing.assert_close(psg.sq_norms(), want, rtol=1e-9, atol=1e-12)
+
+
+def _hf_models():
+    transformers = pytest.importorskip("transformers")
+    small = dict(vocab_size=48, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, max_position_embeddings=32)
+    return {
+        "llama": transformers.LlamaConfig(**small),
+        "qwen2-untied": transformers.Qwen2Config(**small, tie_word_embeddings=False),
+        "qwen2-tied": transformers.Qwen2Config(**small, tie_word_embeddings=True),
+        "gpt2": transformers.GPT2Config(vocab_size=48, n_embd=16, n_layer=2, n_head=2, n_positions=32,
+                                        bos_token_id=0, eos_token_id=0),
+    }
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2-untied", "qwen2-tied", "gpt2"])
+def test_hugging_face_causal_lms_padded(name):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(2)
+    config = _hf_models()[name]
+    config._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(config).double().eval()  # no dropout: same forwards
+    if name == "qwen2-tied":
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    b, t = 4, 10
+    ids = torch.randint(1, 48, (b, t))
+    lengths = torch.tensor([10, 6, 1, 8])  # right padding; one sequence of one token
+    attention = (torch.arange(t) < lengths[:, None]).long()
+    response = attention.bool() & (torch.arange(t) >= 2)  # the first two tokens: the prompt
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def objective():
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
+        logp = _token_logp(logits, ids[:, 1:])
+        return logp * response[:, 1:]
+
+    per_token = objective()
+    want = brute_force([per_token[i].sum() for i in range(b)], params)
+    with PerSequenceGradients(model, num_seqs=b) as psg:
+        objective().sum().backward()
+    got = psg.sq_norms()
+    assert torch.all(want[lengths > 2] > 0)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-10)
+
+
+def test_layout_errors():
+    model = TokenwiseLM()
+    with pytest.raises(ValueError, match="num_seqs"):
+        PerSequenceGradients(model)
+    with pytest.raises(ValueError, match="num_seqs"):
+        PerSequenceGradients(model, num_seqs=2, cu_seqlens=torch.tensor([0, 1, 2]))
+    with PerSequenceGradients(model, num_seqs=3) as psg:
+        ids = torch.randint(0, 11, (2, 4))
+        model(ids, torch.arange(4).expand(2, 4)).sum().backward()
+    with pytest.raises(ValueError, match="batch size 2"):
+        psg.sq_norms()

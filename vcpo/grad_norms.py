@@ -1,0 +1,283 @@
+"""Exact per-sequence squared gradient norms from one batched backward pass.
+
+OPOB needs G_i = ||grad_theta sum_t log pi(y_it)||^2 for every sequence i. Running one backward per
+sequence (as the public reference code does) costs B backward passes. Here one backward of
+sum_i sum_t log pi(y_it) is enough: hooks record each layer's inputs A and output gradients B, and the
+per-sequence norms follow from them (the "ghost norm" of differential-privacy libraries):
+
+- nn.Linear (and GPT-2's Conv1D): ||B_i^T A_i||_F^2 = <A_i A_i^T, B_i B_i^T>, or B_i^T A_i materialised,
+  whichever costs less for the layer's sizes; the bias: ||sum_t B_it||^2.
+- nn.Embedding: sum over token pairs with the same id of <B_it, B_is>.
+- any other module with parameters (LayerNorm, RMSNorm, ...): its per-sequence parameter gradients,
+  materialised with torch.func (these parameters are small).
+- tied weights (embedding = LM head): the gradients of all uses add up before the norm, so the cross term
+  2 <g_embedding,i, g_head,i> is included; it is exact.
+
+Layouts: padded (every module sees [B, T, ...]; sequence i is row i, padding rows contribute nothing when
+the loss ignores them) or packed (modules see [1, N, ...] or [N, ...]; sequence i is tokens
+cu_seqlens[i]:cu_seqlens[i+1]). In the packed layout modules without a ghost formula must act on each token
+separately (true of normalisation layers); attention across sequence boundaries must be masked by the model.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["PerSequenceGradients"]
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    # transformers.pytorch_utils.Conv1D: y = x @ W + b with W [in, out]; matched by name to avoid the import.
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
+@dataclass
+class _Record:
+    module: nn.Module
+    name: str
+    inputs: list = field(default_factory=list)  # one entry per call of the module in the forward
+    grads: list = field(default_factory=list)
+
+
+class PerSequenceGradients:
+    """Context manager: `with PerSequenceGradients(model, num_seqs=B) as psg: loss.backward()`, then
+    `psg.sq_norms()` gives [B] float64 per-sequence squared gradient norms over every trainable parameter.
+
+    Pass `cu_seqlens` for the packed layout (modules see all N tokens in one row). The backward must be of a
+    sum of per-sequence terms (e.g. sum_i sum_t log pi(y_it)); scale a sequence's term by u_i and its
+    squared norm scales by u_i^2."""
+
+    def __init__(self, model: nn.Module, *, num_seqs: Optional[int] = None, cu_seqlens: Optional[Tensor] = None,
+                 ghost: Optional[bool] = None):
+        if (num_seqs is None) == (cu_seqlens is None):
+            raise ValueError("pass num_seqs (padded layout) or cu_seqlens (packed layout), not both")
+        if cu_seqlens is not None and (cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1):
+            raise ValueError("cu_seqlens must be a 1-D tensor of B+1 offsets")
+        self.model = model
+        self.cu_seqlens = None if cu_seqlens is None else cu_seqlens.to(torch.int64)
+        self.num_seqs = int(num_seqs) if num_seqs is not None else self.cu_seqlens.numel() - 1
+        # Packed: the token count and the longest sequence size the per-sequence rows (one host read).
+        if self.cu_seqlens is not None:
+            lengths = self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+            self._num_tokens = int(self.cu_seqlens[-1])
+            self._max_len = int(lengths.max()) if self.num_seqs > 0 else 0
+        self.ghost = ghost  # None: cheaper of ghost and materialised per layer; True/False forces one
+        self._records: list[_Record] = []
+        self._handles = []
+
+    # -- recording ---------------------------------------------------------------------------------------
+    def __enter__(self) -> "PerSequenceGradients":
+        for name, module in self.model.named_modules():
+            params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+            if not params:
+                continue
+            record = _Record(module, name or type(module).__name__)
+            self._records.append(record)
+            self._handles.append(module.register_forward_hook(self._forward_hook(record), with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _forward_hook(self, record: _Record):
+        def hook(module, args, kwargs, output):
+            if not torch.is_grad_enabled():
+                return
+            if not isinstance(output, Tensor):
+                raise ValueError(f"module {record.name!r} returns {type(output).__name__}; per-sequence norms "
+                                 "need modules with parameters to return one tensor")
+            if kwargs and not isinstance(module, (nn.Linear, nn.Embedding)) and not _is_conv1d(module):
+                raise ValueError(f"module {record.name!r} ({type(module).__name__}) was called with keyword "
+                                 "arguments; its per-sequence gradients cannot be replayed")
+            if not output.requires_grad:
+                return
+            if self.cu_seqlens is None and output.shape[0] == 1 and self.num_seqs > 1:
+                # An output shared by every row (GPT-2's position embedding of [1, T] ids) is broadcast later;
+                # broadcasting it here instead keeps each row's gradient apart. Same values, a view.
+                output = output.expand(self.num_seqs, *output.shape[1:])
+                args = tuple(a.expand(self.num_seqs, *a.shape[1:]) if isinstance(a, Tensor) and a.dim() > 0
+                             and a.shape[0] == 1 else a for a in args)
+            slot = len(record.inputs)
+            record.inputs.append(tuple(a.detach() if isinstance(a, Tensor) else a for a in args))
+            record.grads.append(None)
+
+            def grad_hook(grad):
+                record.grads[slot] = grad.detach()
+
+            output.register_hook(grad_hook)
+            return output
+
+        return hook
+
+    # -- per-sequence rows -------------------------------------------------------------------------------
+    def _rows(self, x: Tensor) -> Tensor:
+        """[B, T, ...] view of a module tensor (at least 3-D): padded rows as they are; packed tokens, seen as
+        [1, N, ...] or [N, ...], scattered into zero-padded rows."""
+        if self.cu_seqlens is None:
+            if x.shape[0] != self.num_seqs:
+                raise ValueError(f"a module saw batch size {x.shape[0]}, expected num_seqs = {self.num_seqs}")
+            rows = x
+        else:
+            n = self._num_tokens
+            flat = x[0] if x.dim() >= 2 and x.shape[0] == 1 and x.shape[1] == n else x
+            if flat.shape[0] != n:
+                raise ValueError(f"a module saw shape {tuple(x.shape)}, expected {n} packed tokens")
+            cu = self.cu_seqlens.to(flat.device)
+            seq = self._token_seq(flat.device)
+            pos = torch.arange(n, device=flat.device) - cu[seq]
+            rows = flat.new_zeros((self.num_seqs, self._max_len, *flat.shape[1:]))
+            rows[seq, pos] = flat
+        return rows if rows.dim() > 2 else rows.unsqueeze(-1)
+
+    def _token_seq(self, device) -> Tensor:
+        """Sequence index of each packed token."""
+        cu = self.cu_seqlens.to(device)
+        return torch.repeat_interleave(torch.arange(self.num_seqs, device=device), cu[1:] - cu[:-1],
+                                       output_size=self._num_tokens)
+
+    # -- norms -------------------------------------------------------------------------------------------
+    def _uses(self):
+        """(record, first input, output gradient, all inputs) for every call of a recorded module."""
+        for rec in self._records:
+            for args, grad in zip(rec.inputs, rec.grads):
+                if grad is not None:  # None: this output did not reach the loss
+                    yield rec, args[0] if args else None, grad, args
+
+    def sq_norms(self) -> Tensor:
+        """[B] float64: sum over trainable parameters of ||per-sequence gradient||^2, tied weights exact."""
+        uses = defaultdict(list)  # id(param) -> [(kind, record, input rows, grad rows, args)]
+        params = {}
+        for rec, x, grad, args in self._uses():
+            m = rec.module
+            if isinstance(m, nn.Embedding):
+                kinds = [("embedding", m.weight)]
+            elif isinstance(m, nn.Linear) or _is_conv1d(m):
+                kinds = [("linear", m.weight)] + ([("bias", m.bias)] if m.bias is not None else [])
+            else:
+                kinds = [("generic", p) for p in m.parameters(recurse=False)]
+            for kind, p in kinds:
+                if p is None or not p.requires_grad:
+                    continue
+                params[id(p)] = p
+                uses[id(p)].append((kind, rec, x, grad, args))
+        device = next(iter(params.values())).device if params else torch.device("cpu")
+        total = torch.zeros(self.num_seqs, dtype=torch.float64, device=device)
+        for pid, use_list in uses.items():
+            p = params[pid]
+            if len(use_list) == 1 and use_list[0][0] == "bias":
+                total += self._single_use_norm(use_list[0], p)
+            elif all(u[0] in ("linear", "embedding") for u in use_list):
+                total += self._tied_norm(use_list, p)  # one use, or a weight shared by embedding and head
+            else:  # materialise each use's per-sequence gradient and add them before the norm
+                g = sum(self._materialised(u, p) for u in use_list)
+                total += g.flatten(1).double().pow(2).sum(1)
+        return total
+
+    def _single_use_norm(self, use, p: Tensor) -> Tensor:
+        kind, rec, x, grad, _ = use
+        b = self._rows(grad).double()
+        if kind == "bias":
+            return b.sum(1).flatten(1).pow(2).sum(1)
+        if kind == "embedding":
+            return self._embedding_norm(rec.module, x, b)
+        a = self._rows(x).double()
+        a, b = a.flatten(2), b.flatten(2)
+        t, d_in, d_out = a.shape[1], a.shape[2], b.shape[2]
+        ghost = self.ghost if self.ghost is not None else t * (d_in + d_out) <= d_in * d_out
+        if ghost:
+            return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(b, b.transpose(1, 2))).sum((1, 2))
+        return torch.bmm(b.transpose(1, 2), a).pow(2).sum((1, 2))
+
+    def _embedding_norm(self, module: nn.Embedding, ids: Tensor, b: Tensor) -> Tensor:
+        ids = self._rows(ids).squeeze(-1)
+        b = b.flatten(2)
+        keep = torch.ones_like(ids, dtype=torch.bool)
+        if module.padding_idx is not None:
+            keep = ids != module.padding_idx  # the padding row receives no gradient
+        b = b * keep.unsqueeze(-1)
+        same = (ids.unsqueeze(2) == ids.unsqueeze(1)).to(b.dtype)
+        return (same * torch.bmm(b, b.transpose(1, 2))).sum((1, 2))
+
+    def _tied_norm(self, use_list, p: Tensor) -> Tensor:
+        """||sum_u g_u||^2 over the uses of one weight by embeddings and linear layers (e.g. a tied LM head)."""
+        total = sum(self._single_use_norm(u, p) for u in use_list)
+        for i in range(len(use_list)):
+            for j in range(i + 1, len(use_list)):
+                total = total + 2 * self._cross_term(use_list[i], use_list[j])
+        return total
+
+    def _cross_term(self, u, v) -> Tensor:
+        """<g_u,i, g_v,i> per sequence, for two uses of one weight."""
+        if u[0] == "linear" and v[0] == "embedding":
+            u, v = v, u
+        if u[0] == "embedding" and v[0] == "linear":
+            # g_emb = sum_t e_{x_t} B^emb_t^T; g_lin = B^lin^T A^lin (weight [V, d] as [out, in]):
+            # <g_emb, g_lin> = sum_{t,s} B^lin_{s, x_t} <A^lin_s, B^emb_t>.
+            _, rec_e, ids, grad_e, _ = u
+            _, rec_l, x_l, grad_l, _ = v
+            if _is_conv1d(rec_l.module):
+                raise ValueError(f"weight shared by embedding {rec_e.name!r} and Conv1D {rec_l.name!r}: unsupported")
+            ids = self._rows(ids).squeeze(-1)
+            b_e = self._rows(grad_e).double().flatten(2)
+            if rec_e.module.padding_idx is not None:
+                b_e = b_e * (ids != rec_e.module.padding_idx).unsqueeze(-1)
+            a_l = self._rows(x_l).double().flatten(2)
+            b_l = self._rows(grad_l).double().flatten(2)
+            inner = torch.bmm(a_l, b_e.transpose(1, 2))  # [B, T_l, T_e]: <A_s, B^emb_t>
+            picked = torch.gather(b_l, 2, ids.unsqueeze(1).expand(-1, b_l.shape[1], -1))  # B^lin_{s, x_t}
+            return (inner * picked).sum((1, 2))
+        gu, gv = self._materialised(u, None), self._materialised(v, None)
+        return (gu.double() * gv.double()).flatten(1).sum(1)
+
+    def _materialised(self, use, p: Optional[Tensor]) -> Tensor:
+        """[B, *param.shape]: the per-sequence gradient of `p` through this one use."""
+        kind, rec, x, grad, args = use
+        m = rec.module
+        if kind == "linear":
+            g = torch.bmm(self._rows(grad).flatten(2).transpose(1, 2), self._rows(x).flatten(2))
+            return g.transpose(1, 2) if _is_conv1d(m) else g
+        if kind == "bias":
+            return self._rows(grad).flatten(2).sum(1)
+        if kind == "embedding":
+            ids = self._rows(x).squeeze(-1)
+            b = self._rows(grad).flatten(2)
+            out = b.new_zeros((self.num_seqs, *m.weight.shape))
+            out.scatter_add_(1, ids.unsqueeze(-1).expand(-1, -1, b.shape[-1]), b)
+            if m.padding_idx is not None:
+                out[:, m.padding_idx] = 0
+            return out
+        return self._generic_gradients(rec, args, grad)[id(p)]
+
+    def _generic_gradients(self, rec: _Record, args, grad: Tensor) -> dict:
+        """Per-sequence gradients of a module's own parameters, by vmap over sequences (padded) or over tokens
+        (packed, which assumes the module acts on each token separately, as normalisation layers do)."""
+        from torch.func import functional_call, vjp, vmap
+
+        m = rec.module
+        names = [n for n, p in m.named_parameters(recurse=False) if p.requires_grad]
+        params = {n: getattr(m, n).detach() for n in names}
+        x = args[0]
+
+        def one(xi, gi):
+            def f(ps):
+                return functional_call(m, ps, (xi,))
+
+            _, pullback = vjp(f, params)
+            return pullback(gi)[0]
+
+        if self.cu_seqlens is None:
+            per = vmap(one)(x, grad)  # {name: [B, *shape]}
+        else:
+            n = self._num_tokens
+            flat_x, flat_g = x.reshape(n, *x.shape[-1:]), grad.reshape(n, *grad.shape[-1:])
+            per_token = vmap(one)(flat_x, flat_g)
+            seq = self._token_seq(x.device)
+            per = {n: t.new_zeros((self.num_seqs, *t.shape[1:])).index_add_(0, seq, t) for n, t in per_token.items()}
+        return {id(getattr(m, n)): per[n] for n in names}
