@@ -134,3 +134,11 @@ def test_deterministic_across_thread_counts(backend):
         torch.set_num_threads(threads)
     for out, grad in results[1:]:
         assert_matches(out, grad, *results[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("low", [torch.bfloat16, torch.float16])
+def test_half_precision_packed(backend, low):
+    batch = random_batch(18, "packed", with_old=True).to(low)
+    want, want_grad = run(batch.to(torch.float64), "torch", is_level="token")
+    got, got_grad = run(batch, backend, is_level="token")
+    assert_matches(got, got_grad.float(), want, want_grad, rtol=1e-2, atol=1e-4)

@@ -131,3 +131,106 @@ def test_masked_values_are_never_read(backend):
         results.append(run(b, backend, is_level="token"))
     for out, grad in results[1:]:
         assert_matches(out, grad, *results[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", COMPILED_BACKENDS)
+def test_unvalidated_bad_offsets_and_groups_fail_safely(backend):
+    """validate=False skips the Python value checks; the C++ op still refuses what would read or write out of
+    bounds (a RuntimeError, not a crash)."""
+    logp = -torch.rand(6)
+    with pytest.raises(RuntimeError, match="cu_seqlens"):
+        vk.policy_loss(logp, logp.clone(), cu_seqlens=torch.tensor([0, 4000, 6]), rewards=torch.rand(2),
+                       backend=backend, validate=False)
+    with pytest.raises(RuntimeError, match="group_index"):
+        vk.policy_loss(logp.reshape(2, 3), logp.reshape(2, 3).clone(), rewards=torch.rand(2),
+                       group_index=torch.tensor([0, 1_000_000]), num_groups=2, backend=backend, validate=False)
+    with pytest.raises(RuntimeError, match="group_index"):
+        vk.opob_baseline(torch.rand(2), torch.zeros(2), group_index=torch.tensor([0, -1]), num_groups=2,
+                         backend=backend, validate=False)
+
+
+@pytest.mark.parametrize("backend", COMPILED_BACKENDS)
+@pytest.mark.parametrize("delta", [-103.0, -90.0, -87.5, 87.9, 88.4, 88.7])
+def test_fp32_exp_near_the_float_range_ends(backend, delta):
+    """Log ratios near the ends of fp32's exp range: the K3 term of Delta = delta, and the ratio
+    r = exp(delta) in the gradient, stay accurate (no clamping error, no spurious overflow)."""
+    logp = torch.full((1, 4), -1.0)
+    mu = logp.clone()
+    mu[0, 1] -= delta  # Delta = delta on token 1 (bypass: lp_prox = logp)
+    got, _ = _loss(backend, logp, mu, rewards=torch.ones(1), is_correction="none")
+    want, _ = _loss("torch", logp.double(), mu.double(), rewards=torch.ones(1), is_correction="none")
+    torch.testing.assert_close(got.kl_k3.double(), want.kl_k3, rtol=1e-5, atol=0)
+
+    old = logp.clone()
+    old[0, 2] -= delta  # r = exp(delta) on token 2; behavior = old, so every Delta is 0
+    kw = dict(advantages=torch.ones(1), is_correction="none")
+    got, got_grad = _loss(backend, logp, old.clone(), old_logp=old, **kw)
+    want, want_grad = _loss("torch", logp.double(), old.double(), old_logp=old.double(), **kw)
+    torch.testing.assert_close(got_grad.double(), want_grad, rtol=1e-5, atol=1e-44)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_bypass_ratio_is_one_even_for_nonfinite_logp(backend):
+    """In bypass mode r = 1: a counted logp = -inf (s = -inf, weight 0) removes its sequence and nothing
+    else; the loss and gradient stay finite and equal across backends."""
+    batch = random_batch(14, "padded")
+    logp = batch.logp.clone()
+    logp[3, batch.mask[3].nonzero()[0, 0]] = -torch.inf
+    out, grad = _loss(backend, logp, batch.behavior_logp, mask=batch.mask, advantages=torch.ones(7))
+    ref, ref_grad = _loss("torch", logp.double(), batch.behavior_logp.double(), mask=batch.mask,
+                          advantages=torch.ones(7))
+    assert torch.isfinite(out.loss) and torch.all(torch.isfinite(grad))
+    assert torch.all(grad[3] == 0)
+    torch.testing.assert_close(out.loss.double(), ref.loss, rtol=2e-5, atol=2e-6)
+    torch.testing.assert_close(grad.double(), ref_grad, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("is_level", ["sequence", "token"])
+def test_zero_weight_units_contribute_exactly_zero(backend, is_level):
+    """lp_prox = -inf on a counted token: its unit's weight is 0, so c = 0, while r = exp(lp - lp_prox) would be
+    inf; the unit must add exactly 0, not 0 * inf = NaN."""
+    batch = random_batch(15, "packed", with_old=True)
+    first = int(batch.cu_seqlens[3])
+    batch.mask[first] = True
+    batch.old_logp, batch.behavior_logp = batch.old_logp.clone(), batch.behavior_logp.clone()
+    batch.old_logp[first], batch.behavior_logp[first] = -torch.inf, -1.0
+    batch.logp = torch.where(batch.mask, batch.logp.nan_to_num(-1.0), batch.logp)
+    want, want_grad = run(batch.to(torch.float64), "torch", is_level=is_level, clip_ratio=(0.2, 0.2))
+    got, got_grad = run(batch, backend, is_level=is_level, clip_ratio=(0.2, 0.2))
+    assert torch.isfinite(got.loss) and torch.all(torch.isfinite(got_grad))
+    assert got_grad[first] == 0
+    assert_matches(got, got_grad, want, want_grad, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("backend", COMPILED_BACKENDS)
+def test_fp64_behavior_with_fp32_old_logp_keeps_fp64(backend):
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], dtype=torch.float64)
+    mu = logp - torch.tensor([[1e-9, 3e-9, -2e-9]], dtype=torch.float64)
+    old = logp.float()
+    s = vk.sequence_stats(logp, mu, old_logp=old, backend=backend).seq_log_weight
+    want = (old.double() - mu).sum(1)
+    assert s.dtype == torch.float64
+    torch.testing.assert_close(s, want, rtol=1e-12, atol=1e-18)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_norm_length_defaults_to_the_padded_length(backend):
+    batch = random_batch(16, "padded", dtype=torch.float64)
+    a, _ = run(batch, backend, loss_agg_mode="seq-mean-token-sum-norm")
+    b, _ = run(batch, backend, loss_agg_mode="seq-mean-token-sum-norm", norm_length=float(batch.logp.shape[1]))
+    c, _ = run(batch, backend, loss_agg_mode="seq-mean-token-sum")
+    assert a.loss.item() == b.loss.item()
+    assert a.loss.item() == pytest.approx(c.loss.item() / batch.logp.shape[1], rel=1e-12)
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_group_without_valid_members_has_zero_baseline(backend):
+    batch = random_batch(17, "padded")
+    batch.group_index = batch.group_index.clone()
+    batch.group_index[1] = 5  # sequence 1 is all-masked: group 5 has no valid member
+    batch.num_groups = 7  # and group 6 has no member at all
+    for advantage in ("opob", "grpo", "rloo"):
+        out, _ = run(batch, backend, advantage=advantage)
+        assert out.baseline.shape == (7,)
+        assert out.baseline[5].item() == 0 and out.baseline[6].item() == 0

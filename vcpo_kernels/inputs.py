@@ -77,8 +77,9 @@ def token_batch(
         if t.dtype not in (logp.dtype, torch.float32):
             raise ValueError(f"{name} must have logp's dtype ({logp.dtype}) or float32, got {t.dtype}")
     if old_logp is not None and old_logp.dtype != behavior_logp.dtype:
-        # The kernels read both at one dtype; one of them is float32, so upcasting loses nothing.
-        behavior_logp, old_logp = behavior_logp.float(), old_logp.float()
+        # The kernels read both at one dtype: the wider of the two, so nothing is lost.
+        wide = torch.promote_types(behavior_logp.dtype, old_logp.dtype)
+        behavior_logp, old_logp = behavior_logp.to(wide), old_logp.to(wide)
 
     if mask is not None:
         _require_tensor("mask", mask)
@@ -138,7 +139,7 @@ def per_sequence(name: str, t, num_seqs: int, device: torch.device, dtype: torch
     if t.is_complex():
         raise ValueError(f"{name} must be real, got {t.dtype}")
     t = t.detach().to(dtype).contiguous()
-    if validate and t.is_floating_point():
+    if validate:
         _check_any(name, ~torch.isfinite(t), "must be finite (found NaN or inf)")
     return t
 
@@ -191,7 +192,6 @@ def sequence_batch(
         raise ValueError("pass exactly one of rewards (the loss computes advantages) and advantages")
     r = None if rewards is None else per_sequence("rewards", rewards, b, device, dtype, validate)
     a = None if advantages is None else per_sequence("advantages", advantages, b, device, dtype, validate)
-    g, ng = group_index_tensor(group_index, num_groups, b, device, validate)
-    if batch_scope:
-        g, ng = None, 1
+    # A batch-scope baseline ignores the groups: do not even read them (that could be a host sync).
+    g, ng = (None, 1) if batch_scope else group_index_tensor(group_index, num_groups, b, device, validate)
     return SequenceBatch(r, a, g, ng, grad_sq_norm_tensor(grad_sq_norm, b, device, dtype, validate))

@@ -55,7 +55,7 @@ void opob_baseline(const GroupInputs<acc_t>& in, const acc_t* log_weight, const 
     if (grad_sq_norm) lw += std::log(static_cast<double>(grad_sq_norm[i]));
     if (length_norm) lw -= 2.0 * std::log(static_cast<double>(in.length[i]));
     log_w[i] = lw;
-    if (lw != -kInf<double>) shift[in.group_of(i)] = max_keep_nan(shift[in.group_of(i)], lw);
+    shift[in.group_of(i)] = max_keep_nan(shift[in.group_of(i)], lw);
   }
   // b = mean + sum W (R - mean) / sum W: exact for one-member and constant-reward groups.
   std::vector<double> sum_w(in.num_groups, 0.0), sum_wd(in.num_groups, 0.0);

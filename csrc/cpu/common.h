@@ -88,13 +88,14 @@ VCPO_INLINE void store<c10::BFloat16, float>(c10::BFloat16* p, int64_t i, float 
 }
 
 // exp(x) = 2^k exp(r) with r = x - k ln2, |r| <= ln2 / 2 (Cody-Waite reduction), and
-// exp(r) = 1 + r + r^2 q(r) with a degree-5 q: within 2 ulp. Returns (2^k, r, r^2 q(r), k).
+// exp(r) = 1 + r + r^2 q(r) with a degree-5 q: within 2 ulp. 2^k is applied as two factors 2^(k/2), so
+// k from -150 (denormal results) to 128 (up to FLT_MAX) needs no special case.
 struct ExpParts {
-  float scale, r, r2q;
+  float scale_lo, scale_hi, r, r2q;
   int32_t k;
 };
 VCPO_INLINE ExpParts exp_parts(float x) {
-  const float xc = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  const float xc = x < -104.0f ? -104.0f : (x > 88.7228391f ? 88.7228391f : x);
   const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
   float k = xc * 1.44269504088896341f + shifter;
   const int32_t ki = __builtin_bit_cast(int32_t, k) - __builtin_bit_cast(int32_t, shifter);
@@ -107,15 +108,17 @@ VCPO_INLINE ExpParts exp_parts(float x) {
   q = q * r + 1.0f / 24.0f;
   q = q * r + 1.0f / 6.0f;
   q = q * r + 0.5f;
-  return {__builtin_bit_cast(float, (ki + 127) << 23), r, r * r * q, ki};
+  const int32_t k_lo = ki >> 1, k_hi = ki - k_lo;
+  return {__builtin_bit_cast(float, (k_lo + 127) << 23), __builtin_bit_cast(float, (k_hi + 127) << 23), r,
+          r * r * q, ki};
 }
 
-// exp in fp32 that vectorises inside `omp simd` loops (std::exp does not without -ffast-math): below -87 it
-// flushes to 0, above 88.72 it is +inf, NaN stays NaN.
+// exp in fp32 that vectorises inside `omp simd` loops (std::exp does not without -ffast-math): 0 below -104,
+// +inf above 88.72, NaN stays NaN.
 VCPO_INLINE float exp_fast(float x) {
   const ExpParts e = exp_parts(x);
-  float y = (e.r2q + e.r + 1.0f) * e.scale;
-  y = x < -87.0f ? 0.0f : y;
+  float y = (e.r2q + e.r + 1.0f) * e.scale_lo * e.scale_hi;
+  y = x < -104.0f ? 0.0f : y;
   y = x > 88.7228391f ? kInf<float> : y;
   return x != x ? x : y;
 }
@@ -125,8 +128,7 @@ VCPO_INLINE double exp_fast(double x) { return std::exp(x); }
 // r^2 q(r), with no cancellation; elsewhere it is >= 0.06 and the direct form is accurate (1.5e-6 relative).
 VCPO_INLINE float k3_term(float d) {
   const ExpParts e = exp_parts(d);
-  float y = e.k == 0 ? e.r2q : ((e.r2q + e.r + 1.0f) * e.scale - 1.0f) - d;
-  y = d < -87.0f ? -1.0f - d : y;
+  float y = e.k == 0 ? e.r2q : ((e.r2q + e.r + 1.0f) * e.scale_lo * e.scale_hi - 1.0f) - d;
   y = d > 88.7228391f ? kInf<float> : y;
   return d != d ? d : y;
 }

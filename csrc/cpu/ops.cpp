@@ -1,5 +1,6 @@
 // CPU implementations of the vcpo:: ops (schemas in csrc/registration.cpp). Python validates the arguments
-// and raises ValueError; the checks here only keep memory access safe when the ops are called directly.
+// and raises ValueError; the checks here keep memory access safe whatever the caller passes (validate=False,
+// or the ops called directly): O(B) reads of CPU tensors, no device sync.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
@@ -20,6 +21,15 @@ at::ScalarType acc_dtype(at::ScalarType logp) { return logp == at::kDouble ? at:
 void check_cpu_contiguous(const Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), "vcpo: ", name, " must be on the CPU");
   TORCH_CHECK(t.is_contiguous(), "vcpo: ", name, " must be contiguous");
+}
+
+void check_groups(const OptTensor& group_index, int64_t num_groups) {
+  TORCH_CHECK(num_groups >= 1, "vcpo: num_groups must be >= 1");
+  if (!group_index) return;
+  const int64_t* g = group_index->data_ptr<int64_t>();
+  for (int64_t i = 0; i < group_index->numel(); ++i) {
+    TORCH_CHECK(g[i] >= 0 && g[i] < num_groups, "vcpo: group_index must lie in [0, num_groups)");
+  }
 }
 
 void check_seq(const OptTensor& t, const char* name, int64_t n, at::ScalarType dtype) {
@@ -51,6 +61,7 @@ TokenView token_view(const Tensor& logp, const Tensor& behavior_logp, const OptT
   const int64_t* cu = cu_seqlens.data_ptr<int64_t>();
   const int64_t b = cu_seqlens.numel() - 1;
   TORCH_CHECK(cu[0] == 0 && cu[b] == n, "vcpo: cu_seqlens must start at 0 and end at ", n);
+  for (int64_t i = 0; i < b; ++i) TORCH_CHECK(cu[i] <= cu[i + 1], "vcpo: cu_seqlens must be non-decreasing");
   return TokenView{logp.data_ptr(), behavior_logp.data_ptr(), old_logp ? old_logp->data_ptr() : nullptr,
                    mask ? mask->data_ptr<bool>() : nullptr, cu, b};
 }
@@ -139,7 +150,7 @@ std::tuple<Tensor, Tensor> opob_baseline_cpu(const Tensor& rewards, const Tensor
   check_seq(grad_sq_norm, "grad_sq_norm", b, dtype);
   check_seq(group_index, "group_index", b, at::kLong);
   check_seq(seq_length, "seq_length", b, dtype);
-  TORCH_CHECK(num_groups >= 1, "vcpo: num_groups must be >= 1");
+  check_groups(group_index, num_groups);
   Tensor length = seq_length ? *seq_length : at::ones({b}, log_weight.options());
   Tensor baseline = at::empty({num_groups}, log_weight.options()), adv = at::empty({b}, log_weight.options());
   AT_DISPATCH_FLOATING_TYPES(dtype, "vcpo_opob", [&] {
@@ -167,7 +178,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> policy_loss_cpu(
   check_seq(advantages, "advantages", b, acc);
   check_seq(grad_sq_norm, "grad_sq_norm", b, acc);
   check_seq(group_index, "group_index", b, at::kLong);
-  TORCH_CHECK(num_groups >= 1, "vcpo: num_groups must be >= 1");
+  check_groups(group_index, num_groups);
   const auto opts = logp.options().dtype(acc);
   Tensor loss = at::empty({}, opts), scalars = at::empty({kNumScalars}, opts), baseline = at::empty({num_groups}, opts),
          adv = at::empty({b}, opts), seq_log_weight = at::empty({b}, opts), grad_scale = at::empty({b}, opts);

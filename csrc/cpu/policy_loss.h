@@ -138,18 +138,20 @@ void policy_loss_forward(const TokenView& v, const SequenceInputs& seq, const Lo
     std::vector<acc_t> tl(B), tc(B), tk(B), tp(B);
     const TokenSums<acc_t> ts{tl.data(), tc.data(), tk.data(), tp.data()};
     at::parallel_for(0, B, grain, [&](int64_t a, int64_t b) {
-      token_pass<false, lp_t, ref_t, acc_t>(v, a, b, out.advantages, nullptr, p, ts, nullptr);
+      token_pass<false, lp_t, ref_t, acc_t>(v, a, b, out.advantages, out.grad_scale, p, ts, nullptr);
     });
     for (int64_t i = 0; i < B; ++i) {
       if (!(length[i] > 0)) continue;
-      loss += static_cast<double>(out.grad_scale[i]) * tl[i];
+      if (out.grad_scale[i] != 0) loss += static_cast<double>(out.grad_scale[i]) * tl[i];  // c_i = 0: exactly 0
       ppo_clipped += tp[i];
       unit_changed += tc[i];
       unit_coef += tk[i];
     }
   } else {
     for (int64_t i = 0; i < B; ++i) {
-      if (length[i] > 0) loss -= static_cast<double>(out.grad_scale[i]) * out.advantages[i] * length[i];
+      if (length[i] > 0 && out.grad_scale[i] != 0) {
+        loss -= static_cast<double>(out.grad_scale[i]) * out.advantages[i] * length[i];
+      }
     }
   }
 

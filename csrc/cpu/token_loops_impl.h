@@ -21,15 +21,14 @@ void token_pass_range(const TokenView& v, int64_t first, int64_t last, const acc
                       const LossParams<acc_t>& p, const TokenSums<acc_t>& sums, lp_t* grad) {
   const bool has_old = v.old_logp != nullptr, has_mask = v.mask != nullptr;
   for (int64_t i = first; i < last; ++i) {
-    const acc_t scale = grad_scale ? grad_scale[i] : acc_t(0);
     if (has_old && has_mask)
-      token_pass_one<true, true, TokenLevel, WriteGrad, lp_t, ref_t, acc_t>(v, i, adv[i], scale, p, sums, grad);
+      token_pass_one<true, true, TokenLevel, WriteGrad, lp_t, ref_t, acc_t>(v, i, adv[i], grad_scale[i], p, sums, grad);
     else if (has_old)
-      token_pass_one<true, false, TokenLevel, WriteGrad, lp_t, ref_t, acc_t>(v, i, adv[i], scale, p, sums, grad);
+      token_pass_one<true, false, TokenLevel, WriteGrad, lp_t, ref_t, acc_t>(v, i, adv[i], grad_scale[i], p, sums, grad);
     else if (has_mask)
-      token_pass_one<false, true, TokenLevel, WriteGrad, lp_t, ref_t, acc_t>(v, i, adv[i], scale, p, sums, grad);
+      token_pass_one<false, true, TokenLevel, WriteGrad, lp_t, ref_t, acc_t>(v, i, adv[i], grad_scale[i], p, sums, grad);
     else
-      token_pass_one<false, false, TokenLevel, WriteGrad, lp_t, ref_t, acc_t>(v, i, adv[i], scale, p, sums, grad);
+      token_pass_one<false, false, TokenLevel, WriteGrad, lp_t, ref_t, acc_t>(v, i, adv[i], grad_scale[i], p, sums, grad);
   }
 }
 

@@ -44,7 +44,8 @@ struct TokenSums {
 };
 
 // One sequence. In the forward it accumulates the loss and statistics (WriteGrad = false); in the backward
-// it writes grad[t] = grad_scale * c * dp/dr * r (WriteGrad = true).
+// it writes grad[t] = grad_scale * c * dp/dr * r (WriteGrad = true). grad_scale is a_i c_i (times the
+// upstream gradient in the backward): 0 exactly when the sequence-level coefficient c_i is 0.
 template <bool HasOld, bool HasMask, bool TokenLevel, bool WriteGrad, typename lp_t, typename ref_t,
           typename acc_t>
 VCPO_INLINE void token_pass_one(const TokenView& v, int64_t i, acc_t adv, acc_t grad_scale,
@@ -70,7 +71,10 @@ VCPO_INLINE void token_pass_one(const TokenView& v, int64_t i, acc_t adv, acc_t 
       changed += keep(is_changed(d, p), counted);
       coef_sum += keep(c, counted);
     }
-    const acc_t r = HasOld ? exp_fast(cur - prox) : acc_t(1);
+    // A unit the correction removed (c = 0) contributes exactly 0, even where r or the advantage are not
+    // finite (e.g. lp_prox = -inf): selected away, never multiplied by 0.
+    const bool dropped = c == acc_t(0) || grad_scale == acc_t(0);
+    const acc_t r = HasOld ? exp_fast(dropped ? acc_t(0) : cur - prox) : acc_t(1);
     const acc_t p1 = -adv * r;
     acc_t val = p1, dval = -adv;  // d p / d r
     bool on_clip = false;
@@ -86,9 +90,9 @@ VCPO_INLINE void token_pass_one(const TokenView& v, int64_t i, acc_t adv, acc_t 
       dval = take_dual ? acc_t(0) : dval;
       on_clip = on_clip || take_dual;
     }
-    loss += keep(c * val, counted);
+    loss += keep(dropped ? acc_t(0) : c * val, counted);
     clipped += keep(on_clip ? acc_t(1) : acc_t(0), counted);
-    if (WriteGrad) store(grad, t, keep(grad_scale * c * dval * r, counted));
+    if (WriteGrad) store(grad, t, keep(dropped ? acc_t(0) : grad_scale * c * dval * r, counted));
   }
   if (!WriteGrad) {
     sums.loss[i] = loss;

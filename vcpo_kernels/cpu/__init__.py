@@ -1,6 +1,6 @@
 """The "cpu" backend: the compiled C++ ops of csrc/ (one pass over the tokens per direction), registered as
-torch.ops.vcpo.* with fake kernels and autograd so they work under torch.compile and torch.library.opcheck.
-Importing this package raises ImportError when the extension was not built."""
+torch.ops.vcpo.* with fake kernels here and autograd in csrc/autograd.cpp, so they work under torch.compile
+and torch.library.opcheck. Importing this package raises ImportError when the extension was not built."""
 
 from .effective_sample_size import effective_sample_size
 from .opob_baseline import opob_baseline

@@ -16,6 +16,18 @@ from .segments import segment_ids, segment_sum
 from .sequence_stats import sequence_stats, token_deltas
 
 
+class _OneWithUnitGradient(torch.autograd.Function):
+    """r in bypass mode: exp(lp - stop_gradient(lp)) is 1 with d r / d lp = 1, also where lp is not finite."""
+
+    @staticmethod
+    def forward(ctx, lp):
+        return torch.ones_like(lp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
 def is_coefficient(log_weight: Tensor, opts: PolicyLossOptions):
     """(c, changed): the IS coefficient of each unit and whether the correction changed its weight."""
     log_hi, log_lo = math.log(opts.is_threshold), math.log(opts.threshold_low)
@@ -84,10 +96,14 @@ def policy_loss(tokens: TokenBatch, seq: SequenceBatch, opts: PolicyLossOptions,
         coef = unit_coef[ids]
         unit_valid, unit_count = valid, num_seqs
     lp = torch.where(counted, tokens.logp.to(cd), 0)  # masked tokens get an exact zero gradient
+    # A unit the correction removed (c = 0) contributes exactly 0, even where r or A are not finite.
+    kept = counted & (coef != 0)
     if tokens.old_logp is None:
-        prox = lp.detach()
-    p, on_clip = ppo_surrogate(torch.exp(lp - prox), adv[ids], opts)
-    token_loss = torch.where(counted, coef * p, 0)
+        r = _OneWithUnitGradient.apply(lp)
+    else:
+        r = torch.exp(torch.where(kept, lp - prox, 0))
+    p, on_clip = ppo_surrogate(r, adv[ids], opts)
+    token_loss = torch.where(kept, coef * p, 0)
     a = aggregation_weights(length, opts, norm_length)
     loss = (a * segment_sum(token_loss, ids, tokens.num_seqs)).sum()
 
