@@ -147,3 +147,71 @@ def test_layout_errors():
         model(ids, torch.arange(4).expand(2, 4)).sum().backward()
     with pytest.raises(ValueError, match="batch size 2"):
         psg.sq_norms()
+
+
+def _assemble_vs_brute(model, forward, objectives_fn, layout_kw, b):
+    """assemble(c) after the recorded backward of sum_i objective_i must equal sum_i c_i g_i, with g_i from one
+    backward per sequence (the brute-force loop)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    c = torch.randn(b, dtype=torch.float64)
+    per_seq = objectives_fn(forward())
+    want = [torch.zeros_like(p) for p in params]
+    for i in range(b):
+        for w, g in zip(want, torch.autograd.grad(per_seq[i], params, retain_graph=True, allow_unused=True)):
+            if g is not None:
+                w += c[i] * g
+    with PerSequenceGradients(model, **layout_kw) as psg:
+        sum(objectives_fn(forward())).backward()
+    for p in params:
+        p.grad = None
+    psg.assemble(c)
+    for p, w in zip(params, want):
+        got = p.grad if p.grad is not None else torch.zeros_like(p)
+        torch.testing.assert_close(got, w, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_assemble_tokenwise_model(tied, layout):
+    torch.manual_seed(3)
+    model = TokenwiseLM(tied=tied).double()
+    if layout == "padded":
+        b, t = 4, 7
+        ids, targets = torch.randint(0, 11, (b, t)), torch.randint(0, 11, (b, t))
+        pos = torch.arange(t).expand(b, t)
+        mask = torch.rand(b, t) < 0.8
+
+        def objectives(logp):
+            return [(logp[i] * mask[i]).sum() for i in range(b)]
+        layout_kw = dict(num_seqs=b)
+    else:
+        lengths = torch.tensor([3, 1, 5, 2])
+        b = 4
+        cu = torch.zeros(5, dtype=torch.int64)
+        cu[1:] = lengths.cumsum(0)
+        n = int(cu[-1])
+        ids, targets = torch.randint(0, 11, (1, n)), torch.randint(0, 11, (1, n))
+        pos = torch.cat([torch.arange(int(k)) for k in lengths]).unsqueeze(0)
+
+        def objectives(logp):
+            return [logp[0, int(cu[i]):int(cu[i + 1])].sum() for i in range(b)]
+        layout_kw = dict(cu_seqlens=cu)
+    _assemble_vs_brute(model, lambda: _token_logp(model(ids, pos), targets), objectives, layout_kw, b)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2-tied", "gpt2"])
+def test_assemble_hugging_face(name):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(4)
+    config = _hf_models()[name]
+    config._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(config).double().eval()
+    b, t = 3, 8
+    ids = torch.randint(1, 48, (b, t))
+    attention = (torch.arange(t) < torch.tensor([8, 5, 2])[:, None]).long()
+
+    def forward():
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
+        return _token_logp(logits, ids[:, 1:]) * attention[:, 1:]
+
+    _assemble_vs_brute(model, forward, lambda lp: [lp[i].sum() for i in range(b)], dict(num_seqs=b), b)

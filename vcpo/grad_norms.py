@@ -31,6 +31,15 @@ from torch import Tensor, nn
 __all__ = ["PerSequenceGradients"]
 
 
+def _accumulate(p: Tensor, update: Tensor) -> None:
+    """p.grad += update, as autograd accumulates."""
+    update = update.to(p.dtype)
+    if p.grad is None:
+        p.grad = update.clone()
+    else:
+        p.grad.add_(update)
+
+
 def _is_conv1d(module: nn.Module) -> bool:
     # transformers.pytorch_utils.Conv1D: y = x @ W + b with W [in, out]; matched by name to avoid the import.
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
@@ -136,6 +145,16 @@ class PerSequenceGradients:
             rows[seq, pos] = flat
         return rows if rows.dim() > 2 else rows.unsqueeze(-1)
 
+    def _scaled(self, grad: Tensor, coefficients: Tensor) -> Tensor:
+        """grad (as a module saw it) with each sequence's tokens multiplied by that sequence's coefficient."""
+        c = coefficients.to(device=grad.device, dtype=grad.dtype)
+        if self.cu_seqlens is None:
+            return grad * c.reshape(-1, *([1] * (grad.dim() - 1)))
+        per_token = c[self._token_seq(grad.device)]
+        lead = grad.dim() - (2 if grad.dim() >= 2 and grad.shape[0] == 1 and grad.shape[1] == self._num_tokens else 1)
+        shape = (1,) * (grad.dim() - lead - 1) + (self._num_tokens,) + (1,) * lead
+        return grad * per_token.reshape(shape)
+
     def _token_seq(self, device) -> Tensor:
         """Sequence index of each packed token."""
         cu = self.cu_seqlens.to(device)
@@ -143,6 +162,43 @@ class PerSequenceGradients:
                                        output_size=self._num_tokens)
 
     # -- norms -------------------------------------------------------------------------------------------
+    # -- gradient assembly ("book-keeping") -------------------------------------------------------------
+    @torch.no_grad()
+    def assemble(self, coefficients: Tensor) -> None:
+        """Accumulate sum_i c_i g_i into every trainable parameter's .grad, where g_i is sequence i's gradient
+        in the recorded backward: the gradient of sum_i c_i (sequence i's recorded objective), from the
+        stored layer inputs and output gradients, without a second backward through the model.
+        Exact when the loss to be optimised is sum_i c_i sum_t log pi(y_it), i.e. its gradient with respect
+        to each token's log-prob is constant within a sequence (see vcpo.step for when that holds)."""
+        if coefficients.shape != (self.num_seqs,):
+            raise ValueError(f"coefficients must have shape [num_seqs] = [{self.num_seqs}]")
+        for rec, x, grad, args in self._uses():
+            m = rec.module
+            g = self._scaled(grad, coefficients)
+            if isinstance(m, nn.Embedding):
+                if m.weight.requires_grad:
+                    ids = x.reshape(-1)
+                    rows = g.reshape(ids.numel(), -1).to(m.weight.dtype)
+                    update = torch.zeros_like(m.weight).index_add_(0, ids, rows)
+                    if m.padding_idx is not None:
+                        update[m.padding_idx] = 0
+                    _accumulate(m.weight, update)
+            elif isinstance(m, nn.Linear) or _is_conv1d(m):
+                a2 = x.reshape(-1, x.shape[-1])
+                g2 = g.reshape(-1, g.shape[-1])
+                if m.weight.requires_grad:
+                    _accumulate(m.weight, a2.T @ g2 if _is_conv1d(m) else g2.T @ a2)
+                if m.bias is not None and m.bias.requires_grad:
+                    _accumulate(m.bias, g2.sum(0))
+            else:
+                from torch.func import functional_call, vjp
+
+                names = [n for n, p in m.named_parameters(recurse=False) if p.requires_grad]
+                params = {n: getattr(m, n).detach() for n in names}
+                _, pullback = vjp(lambda ps: functional_call(m, ps, args), params)
+                for n, update in pullback(g)[0].items():
+                    _accumulate(getattr(m, n), update)
+
     def _uses(self):
         """(record, first input, output gradient, all inputs) for every call of a recorded module."""
         for rec in self._records:
