@@ -10,8 +10,20 @@ Math and options: docs/contract.md."""
 from vcpo_kernels import PolicyLossResult
 
 from .config import VCPOConfig
+from .grad_norms import PerSequenceGradients
 from .loss import VCPOLoss, policy_loss
 from .lr import ess_lr_scale, scale_lr
+from .step import RolloutBatch, step
 
 __version__ = "0.1.0"
-__all__ = ["VCPOConfig", "VCPOLoss", "PolicyLossResult", "policy_loss", "ess_lr_scale", "scale_lr"]
+__all__ = [
+    "VCPOConfig",
+    "VCPOLoss",
+    "PolicyLossResult",
+    "policy_loss",
+    "ess_lr_scale",
+    "scale_lr",
+    "PerSequenceGradients",
+    "RolloutBatch",
+    "step",
+]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from vcpo_kernels.backends import BACKENDS
 from vcpo_kernels.options import PolicyLossOptions
@@ -11,12 +12,34 @@ from vcpo_kernels.options import PolicyLossOptions
 @dataclass(frozen=True)
 class VCPOConfig(PolicyLossOptions):
     """Defaults follow the paper's released runs: sequence-level truncated IS with C = 8, OPOB advantages
-    normalised by the group std, ESS-scaled lr with the sqrt rule and rho_base = 1, seq-mean-token-mean,
-    PPO clipping off. Every field is documented in docs/contract.md."""
+    normalised by the group std with exact per-sequence gradient norms, ESS-scaled lr with the sqrt rule and
+    rho_base = 1, seq-mean-token-mean, PPO clipping off, gradient clipping at 1.0. The loss options are
+    documented in docs/contract.md; the step options below."""
 
     backend: str = "auto"
+    # The update step (vcpo.step): what G_i in the OPOB weights is, how the gradient is formed, clipping.
+    grad_norms: str = "exact"  # "exact" | "lm_head" | "length" | "uniform"
+    assembly: str = "auto"  # "auto" | "bookkeeping" | "two_pass"
+    grad_clip: Optional[float] = 1.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {list(BACKENDS)}, got {self.backend!r}")
+        if self.grad_norms not in GRAD_NORMS:
+            raise ValueError(f"grad_norms must be one of {list(GRAD_NORMS)}, got {self.grad_norms!r}")
+        if self.assembly not in ASSEMBLY:
+            raise ValueError(f"assembly must be one of {list(ASSEMBLY)}, got {self.assembly!r}")
+        if self.grad_clip is not None and not (isinstance(self.grad_clip, (int, float)) and self.grad_clip > 0):
+            raise ValueError(f"grad_clip must be a number > 0 or None, got {self.grad_clip!r}")
+
+
+# exact: ||grad_theta sum_t log pi(y_it)||^2 over all trainable parameters, from one batched backward;
+# lm_head: the same over the output layer's parameters only; length: G_i = L_i (OPO's length weighting);
+# uniform: G_i = 1 (the baseline then weights sequences by w_i^2 alone).
+GRAD_NORMS = ("exact", "lm_head", "length", "uniform")
+# bookkeeping: the gradient sum_i k_i g_i is formed from the norm pass's stored layer inputs and output
+# gradients (one backward in all; exact when d loss / d log pi is constant within a sequence: bypass mode and
+# sequence-level weights; needs grad_norms="exact"); two_pass: a second backward of the loss (any options;
+# the graph is kept meanwhile); auto: bookkeeping where it is exact, else two_pass.
+ASSEMBLY = ("auto", "bookkeeping", "two_pass")

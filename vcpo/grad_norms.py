@@ -59,10 +59,11 @@ class PerSequenceGradients:
 
     Pass `cu_seqlens` for the packed layout (modules see all N tokens in one row). The backward must be of a
     sum of per-sequence terms (e.g. sum_i sum_t log pi(y_it)); scale a sequence's term by u_i and its
-    squared norm scales by u_i^2."""
+    squared norm scales by u_i^2. `modules` restricts the norms to those modules' parameters (e.g. the LM
+    head alone, a cheaper proxy)."""
 
     def __init__(self, model: nn.Module, *, num_seqs: Optional[int] = None, cu_seqlens: Optional[Tensor] = None,
-                 ghost: Optional[bool] = None):
+                 ghost: Optional[bool] = None, modules: Optional[list] = None):
         if (num_seqs is None) == (cu_seqlens is None):
             raise ValueError("pass num_seqs (padded layout) or cu_seqlens (packed layout), not both")
         if cu_seqlens is not None and (cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1):
@@ -76,6 +77,7 @@ class PerSequenceGradients:
             self._num_tokens = int(self.cu_seqlens[-1])
             self._max_len = int(lengths.max()) if self.num_seqs > 0 else 0
         self.ghost = ghost  # None: cheaper of ghost and materialised per layer; True/False forces one
+        self.modules = None if modules is None else list(modules)  # None: every module with parameters
         self._records: list[_Record] = []
         self._handles = []
 
@@ -83,7 +85,7 @@ class PerSequenceGradients:
     def __enter__(self) -> "PerSequenceGradients":
         for name, module in self.model.named_modules():
             params = [p for p in module.parameters(recurse=False) if p.requires_grad]
-            if not params:
+            if not params or (self.modules is not None and not any(module is m for m in self.modules)):
                 continue
             record = _Record(module, name or type(module).__name__)
             self._records.append(record)

@@ -66,11 +66,13 @@ class PolicyLossResult:
     num_nonfinite: Tensor
     ppo_clip_fraction: Tensor
 
-    def metrics(self) -> dict[str, float]:
-        """The scalar statistics and the loss as Python floats: one host sync, for logging."""
+    def metrics(self, **extra: Tensor) -> dict[str, float]:
+        """The loss, the scalar statistics and any `extra` scalar tensors as Python floats: one host sync for
+        all of them, for logging."""
         names = ("loss",) + SCALAR_FIELDS
-        values = torch.stack([getattr(self, n).detach().double() for n in names]).tolist()
-        return dict(zip(names, values))
+        tensors = [getattr(self, n) for n in names] + list(extra.values())
+        values = torch.stack([t.detach().double().reshape(()) for t in tensors]).tolist()
+        return dict(zip(names + tuple(extra), values))
 
 
 def sequence_stats(
