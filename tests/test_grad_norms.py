@@ -215,3 +215,28 @@ def test_assemble_hugging_face(name):
         return _token_logp(logits, ids[:, 1:]) * attention[:, 1:]
 
     _assemble_vs_brute(model, forward, lambda lp: [lp[i].sum() for i in range(b)], dict(num_seqs=b), b)
+
+
+def test_activations_only_records_the_same_and_skips_parameter_gradients():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(5)
+    config = _hf_models()["gpt2"]
+    config._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(config).double().eval()
+    ids = torch.randint(1, 48, (3, 7))
+    results = []
+    for activations_only in (False, True):
+        model.zero_grad(set_to_none=True)
+        with PerSequenceGradients(model, num_seqs=3, activations_only=activations_only) as psg:
+            logits = model(input_ids=ids).logits[:, :-1]
+            _token_logp(logits, ids[:, 1:]).sum().backward()
+        grads_present = any(p.grad is not None for p in model.parameters())
+        assert grads_present != activations_only
+        assert all(p.requires_grad for p in model.parameters())  # restored
+        c = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
+        model.zero_grad(set_to_none=True)
+        psg.assemble(c)
+        results.append((psg.sq_norms(), [p.grad.clone() for p in model.parameters()]))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-12, atol=0)
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)

@@ -63,7 +63,7 @@ class PerSequenceGradients:
     head alone, a cheaper proxy)."""
 
     def __init__(self, model: nn.Module, *, num_seqs: Optional[int] = None, cu_seqlens: Optional[Tensor] = None,
-                 ghost: Optional[bool] = None, modules: Optional[list] = None):
+                 ghost: Optional[bool] = None, modules: Optional[list] = None, activations_only: bool = False):
         if (num_seqs is None) == (cu_seqlens is None):
             raise ValueError("pass num_seqs (padded layout) or cu_seqlens (packed layout), not both")
         if cu_seqlens is not None and (cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1):
@@ -78,6 +78,11 @@ class PerSequenceGradients:
             self._max_len = int(lengths.max()) if self.num_seqs > 0 else 0
         self.ghost = ghost  # None: cheaper of ghost and materialised per layer; True/False forces one
         self.modules = None if modules is None else list(modules)  # None: every module with parameters
+        # activations_only: the recorded backward skips the parameters' own gradients (which book-keeping
+        # forms later from the records anyway): parameters are frozen inside the block and module outputs made
+        # to require grad, so the backward computes only what the records need.
+        self.activations_only = activations_only
+        self._frozen: list = []
         self._records: list[_Record] = []
         self._handles = []
 
@@ -90,12 +95,19 @@ class PerSequenceGradients:
             record = _Record(module, name or type(module).__name__)
             self._records.append(record)
             self._handles.append(module.register_forward_hook(self._forward_hook(record), with_kwargs=True))
+        if self.activations_only:
+            self._frozen = [p for p in self.model.parameters() if p.requires_grad]
+            for p in self._frozen:
+                p.requires_grad_(False)
         return self
 
     def __exit__(self, *exc) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for p in self._frozen:
+            p.requires_grad_(True)
+        self._frozen = []
 
     def _forward_hook(self, record: _Record):
         def hook(module, args, kwargs, output):
@@ -108,7 +120,9 @@ class PerSequenceGradients:
                 raise ValueError(f"module {record.name!r} ({type(module).__name__}) was called with keyword "
                                  "arguments; its per-sequence gradients cannot be replayed")
             if not output.requires_grad:
-                return
+                if not self.activations_only or output.grad_fn is not None:
+                    return
+                output.requires_grad_()  # parameters frozen: start the graph here
             if self.cu_seqlens is None and output.shape[0] == 1 and self.num_seqs > 1:
                 # An output shared by every row (GPT-2's position embedding of [1, T] ids) is broadcast later;
                 # broadcasting it here instead keeps each row's gradient apart. Same values, a view.
