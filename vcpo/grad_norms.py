@@ -40,6 +40,22 @@ def _accumulate(p: Tensor, update: Tensor) -> None:
         p.grad.add_(update)
 
 
+def _acc(x: Tensor) -> Tensor:
+    """x in its accumulation dtype: fp32 for fp32/bf16/fp16 records, fp64 for fp64 ones."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+# Per-sequence temporaries ([chunk, d_out, d_in] or [chunk, T, T]) are formed a few sequences at a time.
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def _chunked(fn, *tensors: Tensor, per_seq_elements: int) -> Tensor:
+    """fn over slices of the leading (sequence) dimension, concatenated: bounds the temporaries' memory."""
+    step = max(1, _CHUNK_ELEMENTS // max(per_seq_elements, 1))
+    n = tensors[0].shape[0]
+    return torch.cat([fn(*(t[i:i + step] for t in tensors)) for i in range(0, n, step)]) if n else fn(*tensors)
+
+
 def _is_conv1d(module: nn.Module) -> bool:
     # transformers.pytorch_utils.Conv1D: y = x @ W + b with W [in, out]; matched by name to avoid the import.
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
@@ -249,23 +265,26 @@ class PerSequenceGradients:
                 total += self._tied_norm(use_list, p)  # one use, or a weight shared by embedding and head
             else:  # materialise each use's per-sequence gradient and add them before the norm
                 g = sum(self._materialised(u, p) for u in use_list)
-                total += g.flatten(1).double().pow(2).sum(1)
+                total += _acc(g).flatten(1).pow(2).sum(1).double()
         return total
 
     def _single_use_norm(self, use, p: Tensor) -> Tensor:
         kind, rec, x, grad, _ = use
-        b = self._rows(grad).double()
+        b = _acc(self._rows(grad))
         if kind == "bias":
             return b.sum(1).flatten(1).pow(2).sum(1)
         if kind == "embedding":
             return self._embedding_norm(rec.module, x, b)
-        a = self._rows(x).double()
+        a = _acc(self._rows(x))
         a, b = a.flatten(2), b.flatten(2)
         t, d_in, d_out = a.shape[1], a.shape[2], b.shape[2]
         ghost = self.ghost if self.ghost is not None else t * (d_in + d_out) <= d_in * d_out
-        if ghost:
-            return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(b, b.transpose(1, 2))).sum((1, 2))
-        return torch.bmm(b.transpose(1, 2), a).pow(2).sum((1, 2))
+        if ghost:  # <A A^T, B B^T>: O(T^2 (d_in + d_out)) per sequence
+            return _chunked(lambda a, b: (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(b, b.transpose(1, 2)))
+                            .sum((1, 2)), a, b, per_seq_elements=2 * t * t)
+        # ||B^T A||^2 materialised: O(T d_in d_out) per sequence
+        return _chunked(lambda a, b: torch.bmm(b.transpose(1, 2), a).pow(2).sum((1, 2)), a, b,
+                        per_seq_elements=d_in * d_out)
 
     def _embedding_norm(self, module: nn.Embedding, ids: Tensor, b: Tensor) -> Tensor:
         ids = self._rows(ids).squeeze(-1)
@@ -274,8 +293,9 @@ class PerSequenceGradients:
         if module.padding_idx is not None:
             keep = ids != module.padding_idx  # the padding row receives no gradient
         b = b * keep.unsqueeze(-1)
-        same = (ids.unsqueeze(2) == ids.unsqueeze(1)).to(b.dtype)
-        return (same * torch.bmm(b, b.transpose(1, 2))).sum((1, 2))
+        t = ids.shape[1]
+        return _chunked(lambda ids, b: ((ids.unsqueeze(2) == ids.unsqueeze(1)) * torch.bmm(b, b.transpose(1, 2)))
+                        .sum((1, 2)), ids, b, per_seq_elements=2 * t * t)
 
     def _tied_norm(self, use_list, p: Tensor) -> Tensor:
         """||sum_u g_u||^2 over the uses of one weight by embeddings and linear layers (e.g. a tied LM head)."""
@@ -297,16 +317,16 @@ class PerSequenceGradients:
             if _is_conv1d(rec_l.module):
                 raise ValueError(f"weight shared by embedding {rec_e.name!r} and Conv1D {rec_l.name!r}: unsupported")
             ids = self._rows(ids).squeeze(-1)
-            b_e = self._rows(grad_e).double().flatten(2)
+            b_e = _acc(self._rows(grad_e)).flatten(2)
             if rec_e.module.padding_idx is not None:
                 b_e = b_e * (ids != rec_e.module.padding_idx).unsqueeze(-1)
-            a_l = self._rows(x_l).double().flatten(2)
-            b_l = self._rows(grad_l).double().flatten(2)
+            a_l = _acc(self._rows(x_l)).flatten(2)
+            b_l = _acc(self._rows(grad_l)).flatten(2)
             inner = torch.bmm(a_l, b_e.transpose(1, 2))  # [B, T_l, T_e]: <A_s, B^emb_t>
             picked = torch.gather(b_l, 2, ids.unsqueeze(1).expand(-1, b_l.shape[1], -1))  # B^lin_{s, x_t}
             return (inner * picked).sum((1, 2))
         gu, gv = self._materialised(u, None), self._materialised(v, None)
-        return (gu.double() * gv.double()).flatten(1).sum(1)
+        return (_acc(gu) * _acc(gv)).flatten(1).sum(1)
 
     def _materialised(self, use, p: Optional[Tensor]) -> Tensor:
         """[B, *param.shape]: the per-sequence gradient of `p` through this one use."""
