@@ -1,23 +1,6 @@
-"""Exact per-sequence squared gradient norms from one batched backward pass.
-
-OPOB needs G_i = ||grad_theta sum_t log pi(y_it)||^2 for every sequence i. Running one backward per
-sequence (as the public reference code does) costs B backward passes. Here one backward of
-sum_i sum_t log pi(y_it) is enough: hooks record each layer's inputs A and output gradients B, and the
-per-sequence norms follow from them (the "ghost norm" of differential-privacy libraries):
-
-- nn.Linear (and GPT-2's Conv1D): ||B_i^T A_i||_F^2 = <A_i A_i^T, B_i B_i^T>, or B_i^T A_i materialised,
-  whichever costs less for the layer's sizes; the bias: ||sum_t B_it||^2.
-- nn.Embedding: sum over token pairs with the same id of <B_it, B_is>.
-- any other module with parameters (LayerNorm, RMSNorm, ...): its per-sequence parameter gradients,
-  materialised with torch.func (these parameters are small).
-- tied weights (embedding = LM head): the gradients of all uses add up before the norm, so the cross term
-  2 <g_embedding,i, g_head,i> is included; it is exact.
-
-Layouts: padded (every module sees [B, T, ...]; sequence i is row i, padding rows contribute nothing when
-the loss ignores them) or packed (modules see [1, N, ...] or [N, ...]; sequence i is tokens
-cu_seqlens[i]:cu_seqlens[i+1]). In the packed layout modules without a ghost formula must act on each token
-separately (true of normalisation layers); attention across sequence boundaries must be masked by the model.
-"""
+"""Exact per-sequence squared gradient norms, and the gradient sum_i k_i g_i, from one batched backward pass:
+ghost norms of linear layers, same-token norms of embeddings, materialised gradients of small modules,
+tied weights with their cross term. Math, layouts and exactness conditions: docs/grad_norms.md."""
 
 from __future__ import annotations
 

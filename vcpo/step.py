@@ -1,5 +1,6 @@
 """One VCPO update of a causal LM on a batch of rollouts: forward, exact per-sequence gradient norms, the fused
-loss, the gradient (book-keeping or a second backward), clipping and the ESS-scaled optimizer step."""
+loss, the gradient (book-keeping or a second backward), clipping and the ESS-scaled optimizer step
+(docs/grad_norms.md)."""
 
 from __future__ import annotations
 
