@@ -12,10 +12,9 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-import vcpo_kernels
-
 from .config import VCPOConfig
 from .grad_norms import PerSequenceGradients
+from .loss import policy_loss
 from .lr import scale_lr
 
 __all__ = ["RolloutBatch", "step", "token_logp"]
@@ -59,9 +58,11 @@ def _bookkeeping_exact(config: VCPOConfig, batch: RolloutBatch) -> bool:
 
 
 def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch,
-         config: Optional[VCPOConfig] = None) -> dict[str, float]:
+         config: Optional[VCPOConfig] = None, process_group=None) -> dict[str, float]:
     """One VCPO update of `model` (a causal LM returning `.logits`, e.g. any Hugging Face model). Returns the
-    metrics; the only host sync is the one that reads them (and the lr scale with them)."""
+    metrics; the only host sync is the one that reads them (and the lr scale with them). With a data-parallel
+    `process_group`, the ESS, lr scale and baselines cover the sequences of all its ranks (vcpo.distributed);
+    averaging the gradients across ranks stays the caller's (DDP's) job."""
     config = config if config is not None else VCPOConfig()
     if not isinstance(batch, RolloutBatch):
         raise ValueError(f"batch must be a vcpo.RolloutBatch, got {type(batch).__name__}")
@@ -98,11 +99,11 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch
         grad_sq_norm = None
 
     leaf = logp.detach().requires_grad_()
-    out = vcpo_kernels.policy_loss(
+    out = policy_loss(
         leaf, batch.behavior_logp[:, 1:], mask=mask,
         old_logp=None if batch.old_logp is None else batch.old_logp[:, 1:],
         rewards=batch.rewards, group_index=batch.group_index, num_groups=batch.num_groups,
-        grad_sq_norm=grad_sq_norm, options=config, backend=config.backend,
+        grad_sq_norm=grad_sq_norm, config=config, process_group=process_group,
     )
     (dlogp,) = torch.autograd.grad(out.loss, leaf)
     for p in params:  # drop the norm pass's gradients: the update's gradient replaces them

@@ -1,0 +1,74 @@
+"""The VCPO loss over a data-parallel group: every rank gets the same ESS, lr scale and baselines.
+
+Each rank holds different sequences. The ESS ratio and the group baselines are functions of all of them, so
+the per-sequence quantities they need (log weight s_i, counted length L_i, reward R_i, G_i, prompt group) are
+exchanged in one all_gather of a [B, 5] tensor; every rank then computes the same ESS and baselines (with the
+reference ops: [world * B] elements, microseconds) and its own loss with its slice of the advantages. Unlike the
+public reference code, which computes the ESS on tensor-parallel rank 0 only (every other rank steps with
+lr = 0), no rank is special.
+
+Pass the data-parallel group: ranks that hold the same sequences (tensor or pipeline parallel peers) already
+agree without communication and must not be in it. Every rank must pass the same number of sequences, and
+group indices are global (a prompt's responses may sit on several ranks). The loss is aggregated over the
+rank's own sequences (its gradient is then averaged across ranks by data parallelism, as usual).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+import vcpo_kernels
+from vcpo_kernels.inputs import SequenceBatch, sequence_batch, token_batch
+from vcpo_kernels.reference.advantages import sequence_advantages
+
+__all__ = ["policy_loss"]
+
+
+def policy_loss(logp: Tensor, behavior_logp: Tensor, *, process_group, options, validate: bool = True,
+                backend: str = "auto", mask=None, cu_seqlens=None, old_logp=None, rewards=None, advantages=None,
+                group_index=None, num_groups=None, grad_sq_norm=None) -> vcpo_kernels.PolicyLossResult:
+    """vcpo_kernels.policy_loss with ESS, lr scale and baselines over all ranks of `process_group`."""
+    if not dist.is_initialized():
+        raise ValueError("process_group was given but torch.distributed is not initialised")
+    tokens = token_batch(logp, behavior_logp, old_logp, mask, cu_seqlens, validate)
+    batch_scope = options.advantage == "opob" and options.opob_scope == "batch"
+    seq = sequence_batch(tokens, rewards, advantages, group_index, num_groups, grad_sq_norm, batch_scope, validate)
+    stats = vcpo_kernels.sequence_stats(logp.detach(), behavior_logp, mask=mask, cu_seqlens=cu_seqlens,
+                                        old_logp=old_logp, validate=False, backend=backend)
+    b = tokens.num_seqs
+    zeros = torch.zeros(b, dtype=torch.float64, device=logp.device)
+    local = torch.stack([
+        stats.seq_log_weight.double(),
+        stats.seq_length.double(),
+        seq.rewards.double() if seq.rewards is not None else zeros,
+        seq.grad_sq_norm.double() if seq.grad_sq_norm is not None else zeros + 1,
+        seq.group_index.double() if seq.group_index is not None else zeros,
+    ], 1)
+    world = dist.get_world_size(process_group)
+    parts = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(parts, local, group=process_group)  # the one collective
+    every = torch.cat(parts)
+    s, length = every[:, 0], every[:, 1]
+    first = dist.get_rank(process_group) * b
+
+    lw_ess = torch.clamp(s, max=torch.tensor(options.is_threshold, dtype=s.dtype).log()) \
+        if options.ess_on_corrected else s
+    ess = vcpo_kernels.effective_sample_size(lw_ess, seq_length=length, ess_base_ratio=options.ess_base_ratio,
+                                             lr_rule=options.lr_rule, validate=False, backend="torch")
+    if seq.advantages is not None:
+        baseline, adv_local = seq.advantages.new_zeros(seq.num_groups), seq.advantages
+    else:
+        everyone = SequenceBatch(rewards=every[:, 2], advantages=None,
+                                 group_index=None if seq.group_index is None else every[:, 4].long(),
+                                 num_groups=seq.num_groups, grad_sq_norm=every[:, 3])
+        baseline, adv_all = sequence_advantages(everyone, s, length, options)
+        adv_local = adv_all[first:first + b]
+    out = vcpo_kernels.policy_loss(logp, behavior_logp, mask=mask, cu_seqlens=cu_seqlens, old_logp=old_logp,
+                                   advantages=adv_local.to(tokens.acc_dtype), options=options, validate=False,
+                                   backend=backend)
+    dtype = out.ess.dtype
+    out.ess, out.ess_ratio, out.lr_scale = (t.to(dtype) for t in (ess.ess, ess.ess_ratio, ess.lr_scale))
+    out.baseline = baseline.to(dtype)
+    return out
