@@ -240,3 +240,62 @@ def test_activations_only_records_the_same_and_skips_parameter_gradients():
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-12, atol=0)
     for a, b in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2-tied", "gpt2"])
+def test_hugging_face_causal_lms_packed(name):
+    """Sequences packed into one row, kept apart by a block-diagonal causal 4-D attention mask and
+    position ids that restart at each sequence."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(6)
+    config = _hf_models()[name]
+    config._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(config).double().eval()
+    lengths = torch.tensor([5, 1, 7, 3])
+    cu = torch.zeros(5, dtype=torch.int64)
+    cu[1:] = lengths.cumsum(0)
+    n = int(cu[-1])
+    ids = torch.randint(1, 48, (1, n))
+    seg = torch.repeat_interleave(torch.arange(4), lengths)
+    pos = torch.cat([torch.arange(int(k)) for k in lengths]).unsqueeze(0)
+    allowed = (seg[:, None] == seg[None, :]) & (torch.arange(n)[:, None] >= torch.arange(n)[None, :])
+    mask = torch.zeros(n, n, dtype=torch.float64).masked_fill(~allowed, torch.finfo(torch.float64).min)[None, None]
+    # token t is predicted from position t - 1 of the same sequence: the first token of each sequence has none
+    predicted = torch.ones(n, dtype=torch.bool)
+    predicted[cu[:-1]] = False
+
+    def per_token():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[0]
+        lp = torch.zeros(n, dtype=torch.float64)
+        return lp.index_put((torch.arange(1, n),), _token_logp(logits[:-1], ids[0, 1:])) * predicted
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    lp = per_token()
+    want = brute_force([lp[int(cu[i]):int(cu[i + 1])].sum() for i in range(4)], params)
+    with PerSequenceGradients(model, cu_seqlens=cu) as psg:
+        per_token().sum().backward()
+    assert want[1] == 0 and torch.all(want[[0, 2, 3]] > 0)  # a one-token sequence predicts nothing
+    torch.testing.assert_close(psg.sq_norms(), want, rtol=1e-6, atol=1e-10)
+
+
+def test_a_module_that_cannot_be_replayed_is_named():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(3))
+
+        def forward(self, x, *, bias):
+            return self.scale * x + bias
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = Scaled()
+
+        def forward(self, x):
+            return self.inner(x, bias=1.0)
+
+    net = Net()
+    with pytest.raises(ValueError, match="'inner'.*keyword"):
+        with PerSequenceGradients(net, num_seqs=2):
+            net(torch.randn(2, 4, 3)).sum().backward()
