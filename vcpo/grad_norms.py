@@ -160,15 +160,13 @@ class PerSequenceGradients:
             rows[seq, pos] = flat
         return rows if rows.dim() > 2 else rows.unsqueeze(-1)
 
-    def _scaled(self, grad: Tensor, coefficients: Tensor) -> Tensor:
-        """grad (as a module saw it) with each sequence's tokens multiplied by that sequence's coefficient."""
-        c = coefficients.to(device=grad.device, dtype=grad.dtype)
+    def _row_weights(self, coefficients: Tensor, like: Tensor) -> Tensor:
+        """Each sequence's coefficient for every row of like.reshape(-1, like.shape[-1]) (tokens in the order
+        the module saw them)."""
+        c = coefficients.to(device=like.device, dtype=_acc(like).dtype)
         if self.cu_seqlens is None:
-            return grad * c.reshape(-1, *([1] * (grad.dim() - 1)))
-        per_token = c[self._token_seq(grad.device)]
-        lead = grad.dim() - (2 if grad.dim() >= 2 and grad.shape[0] == 1 and grad.shape[1] == self._num_tokens else 1)
-        shape = (1,) * (grad.dim() - lead - 1) + (self._num_tokens,) + (1,) * lead
-        return grad * per_token.reshape(shape)
+            return c.repeat_interleave(like[0].numel() // like.shape[-1] if like.shape[0] else 0)
+        return c[self._token_seq(like.device)]
 
     def _token_seq(self, device) -> Tensor:
         """Sequence index of each packed token."""
@@ -189,29 +187,33 @@ class PerSequenceGradients:
             raise ValueError(f"coefficients must have shape [num_seqs] = [{self.num_seqs}]")
         for rec, x, grad, args in self._uses():
             m = rec.module
-            g = self._scaled(grad, coefficients)
+            w = self._row_weights(coefficients, grad)  # one weight per token row
+            g2 = grad.reshape(-1, grad.shape[-1])
             if isinstance(m, nn.Embedding):
                 if m.weight.requires_grad:
-                    ids = x.reshape(-1)
-                    rows = g.reshape(ids.numel(), -1).to(m.weight.dtype)
-                    update = torch.zeros_like(m.weight).index_add_(0, ids, rows)
+                    update = torch.zeros_like(m.weight).index_add_(0, x.reshape(-1), (g2 * w[:, None]).to(m.weight.dtype))
                     if m.padding_idx is not None:
                         update[m.padding_idx] = 0
                     _accumulate(m.weight, update)
             elif isinstance(m, nn.Linear) or _is_conv1d(m):
                 a2 = x.reshape(-1, x.shape[-1])
-                g2 = g.reshape(-1, g.shape[-1])
                 if m.weight.requires_grad:
-                    _accumulate(m.weight, a2.T @ g2 if _is_conv1d(m) else g2.T @ a2)
+                    # B^T diag(w) A: scale whichever of A and B is narrower (the LM head's B is V wide)
+                    if a2.shape[1] <= g2.shape[1]:
+                        a2w, g2w = a2 * w[:, None].to(a2.dtype), g2
+                    else:
+                        a2w, g2w = a2, g2 * w[:, None].to(g2.dtype)
+                    _accumulate(m.weight, a2w.T @ g2w if _is_conv1d(m) else g2w.T @ a2w)
                 if m.bias is not None and m.bias.requires_grad:
-                    _accumulate(m.bias, g2.sum(0))
+                    _accumulate(m.bias, w.to(g2.dtype) @ g2)
             else:
                 from torch.func import functional_call, vjp
 
                 names = [n for n, p in m.named_parameters(recurse=False) if p.requires_grad]
                 params = {n: getattr(m, n).detach() for n in names}
                 _, pullback = vjp(lambda ps: functional_call(m, ps, args), params)
-                for n, update in pullback(g)[0].items():
+                scaled = (g2 * w[:, None].to(g2.dtype)).reshape(grad.shape)
+                for n, update in pullback(scaled)[0].items():
                     _accumulate(getattr(m, n), update)
 
     def _uses(self):
