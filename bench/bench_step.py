@@ -113,14 +113,21 @@ def main() -> None:
     if args.case:
         print(json.dumps(run_case(args.case, args.rounds)))
         return
-    results = {}
-    for case in CASES:
-        print(f"running {case} ({CASES[case]}) ...", file=sys.stderr, flush=True)
-        out = subprocess.run([sys.executable, __file__, "--case", case, "--rounds", str(args.rounds)],
-                             capture_output=True, text=True)
-        if out.returncode != 0:
-            sys.exit(f"case {case} failed:\n{out.stderr[-3000:]}")
-        results[case] = json.loads(out.stdout.strip().splitlines()[-1])
+    # Rounds are interleaved across cases (one process per case and round: a warm-up step, then one timed
+    # step), so a slow spell of the machine hits every case alike.
+    samples = {case: [] for case in CASES}
+    for r in range(args.rounds):
+        for case in CASES:
+            print(f"round {r + 1}/{args.rounds}: {case} ({CASES[case]}) ...", file=sys.stderr, flush=True)
+            out = subprocess.run([sys.executable, __file__, "--case", case, "--rounds", "1"],
+                                 capture_output=True, text=True)
+            if out.returncode != 0:
+                sys.exit(f"case {case} failed:\n{out.stderr[-3000:]}")
+            samples[case].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    results = {case: dict(median_s=statistics.median(x["median_s"] for x in runs),
+                          min_s=min(x["min_s"] for x in runs), params=runs[0]["params"],
+                          peak_rss_mib=max(x["peak_rss_mib"] for x in runs))
+               for case, runs in samples.items()}
     base = results["grpo"]["median_s"]
     print(f"\nVCPO step, Llama {results['grpo']['params'] / 1e6:.1f}M params, B={B} x T={T}, fp32, "
           f"{args.rounds} rounds, median")
