@@ -62,3 +62,62 @@ def test_process_group_without_distributed_is_an_error():
     with pytest.raises(ValueError, match="not initialised"):
         vcpo.policy_loss(batch.logp, batch.behavior_logp, mask=batch.mask, rewards=batch.rewards,
                          process_group=object())
+
+
+def _step_worker(rank, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        model, batch = _step_setup()
+        rows = slice(rank * 3, (rank + 1) * 3)
+        local = vcpo.RolloutBatch(batch.input_ids[rows], batch.attention_mask[rows], batch.loss_mask[rows],
+                                  batch.behavior_logp[rows], batch.rewards[rows], batch.group_index[rows],
+                                  num_groups=batch.num_groups)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        metrics = vcpo.step(model, opt, local, vcpo.VCPOConfig(grad_clip=0.05), process_group=dist.group.WORLD)
+        torch.save({"params": [p.detach() for p in model.parameters()], "metrics": metrics},
+                   os.path.join(out_dir, f"step{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _step_setup():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16)
+    config._attn_implementation = "eager"
+    model = transformers.LlamaForCausalLM(config).double().eval()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 40, (6, 8), generator=g)
+    attention = torch.ones(6, 8, dtype=torch.long)
+    loss_mask = (torch.arange(8) >= 2).long().expand(6, 8)
+    behavior = -torch.rand(6, 8, generator=g, dtype=torch.float64) * 3 - 2
+    batch = vcpo.RolloutBatch(ids, attention, loss_mask, behavior, torch.tensor([1.0, 0.0, 2.0, 0.0, 1.0, 1.0]),
+                              group_index=torch.tensor([0, 1, 2, 0, 1, 2]), num_groups=3)
+    return model, batch
+
+
+def test_two_rank_step_equals_one_process_step(tmp_path):
+    """Groups span the ranks; each rank holds 3 of the 6 sequences (all of the same length, so the mean of
+    the ranks' per-sequence means is the whole batch's mean): both ranks take the one-process step."""
+    mp.spawn(_step_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD, join=True)
+    ranks = [torch.load(tmp_path / f"step{r}.pt") for r in range(WORLD)]
+    model, batch = _step_setup()
+    metrics = vcpo.step(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, vcpo.VCPOConfig(grad_clip=0.05))
+    for key in ("ess_ratio", "lr_scale", "grad_norm"):
+        assert ranks[0]["metrics"][key] == ranks[1]["metrics"][key]
+        assert ranks[0]["metrics"][key] == pytest.approx(metrics[key], rel=1e-9)
+    for a, b, p in zip(ranks[0]["params"], ranks[1]["params"], model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, p.detach(), rtol=1e-9, atol=1e-12)
+
+
+def test_distributed_argument_errors(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        batch = random_batch(23, "padded")
+        with pytest.raises(ValueError, match="num_groups"):
+            vcpo.policy_loss(batch.logp, batch.behavior_logp, mask=batch.mask, rewards=batch.rewards,
+                             group_index=batch.group_index, process_group=dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()

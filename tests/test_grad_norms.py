@@ -217,7 +217,7 @@ def test_assemble_hugging_face(name):
     _assemble_vs_brute(model, forward, lambda lp: [lp[i].sum() for i in range(b)], dict(num_seqs=b), b)
 
 
-def test_activations_only_records_the_same_and_skips_parameter_gradients():
+def test_recorder_backward_records_the_same_and_skips_parameter_gradients():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(5)
     config = _hf_models()["gpt2"]
@@ -225,21 +225,75 @@ def test_activations_only_records_the_same_and_skips_parameter_gradients():
     model = transformers.AutoModelForCausalLM.from_config(config).double().eval()
     ids = torch.randint(1, 48, (3, 7))
     results = []
-    for activations_only in (False, True):
+    for own_backward in (False, True):
         model.zero_grad(set_to_none=True)
-        with PerSequenceGradients(model, num_seqs=3, activations_only=activations_only) as psg:
-            logits = model(input_ids=ids).logits[:, :-1]
-            _token_logp(logits, ids[:, 1:]).sum().backward()
-        grads_present = any(p.grad is not None for p in model.parameters())
-        assert grads_present != activations_only
-        assert all(p.requires_grad for p in model.parameters())  # restored
+        with PerSequenceGradients(model, num_seqs=3) as psg:
+            objective = _token_logp(model(input_ids=ids).logits[:, :-1], ids[:, 1:]).sum()
+            psg.backward(objective) if own_backward else objective.backward()
+        assert any(p.grad is not None for p in model.parameters()) != own_backward
         c = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
         model.zero_grad(set_to_none=True)
         psg.assemble(c)
         results.append((psg.sq_norms(), [p.grad.clone() for p in model.parameters()]))
+        psg.release()
+        assert psg.sq_norms().abs().sum() == 0  # released: nothing recorded any more
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-12, atol=0)
     for a, b in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)
+
+
+class _Wide(nn.Module):
+    """Linear layers fed [B, d] and [B, T, H, d] activations, with bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.per_sequence = nn.Linear(4, 4)
+        self.per_head = nn.Linear(4, 4)
+
+    def forward(self, x):  # x [B, T, H, 4]
+        pooled = self.per_sequence(x.mean((1, 2)))  # [B, 4]
+        return (self.per_head(x) * pooled[:, None, None, :]).sum((1, 2, 3))
+
+
+@pytest.mark.parametrize("ghost", [None, True, False])
+def test_linear_inputs_of_any_rank(ghost):
+    torch.manual_seed(7)
+    model = _Wide().double()
+    x = torch.randn(3, 5, 2, 4, dtype=torch.float64)
+    out = model(x)
+    want = brute_force([out[i] for i in range(3)], list(model.parameters()))
+    with PerSequenceGradients(model, num_seqs=3, ghost=ghost) as psg:
+        model(x).sum().backward()
+    torch.testing.assert_close(psg.sq_norms(), want, rtol=1e-10, atol=1e-12)
+
+
+def test_unsupported_modules_are_named():
+    class TwoInputs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3))
+
+        def forward(self, x, y):
+            return self.w * x + y
+
+    class Net(nn.Module):
+        def __init__(self, embedding):
+            super().__init__()
+            self.pair = TwoInputs()
+            self.emb = embedding
+
+        def forward(self, ids):
+            h = self.emb(ids)
+            return self.pair(h, h)
+
+    net = Net(nn.Embedding(5, 3))
+    with pytest.raises(ValueError, match="'pair'.*several tensor arguments"):
+        with PerSequenceGradients(net, num_seqs=2) as psg:
+            psg.backward(net(torch.randint(0, 5, (2, 4))).sum())
+    for flags in (dict(scale_grad_by_freq=True), dict(sparse=True)):
+        with pytest.raises(ValueError, match="'emb'"):
+            with PerSequenceGradients(Net(nn.Embedding(5, 3, **flags)), num_seqs=2):
+                pass
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2-tied", "gpt2"])

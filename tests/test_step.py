@@ -66,7 +66,7 @@ def _reference_update(model, optimizer, batch, config):
 
 
 @pytest.mark.parametrize("case", ["bookkeeping", "two_pass", "token-level-old", "lm_head", "length"])
-def test_step_matches_hand_assembled_update(case):
+def test_step_matches_hand_assembled_update(case, monkeypatch):
     model = _model()
     options = dict(ess_base_ratio=1.0, grad_clip=0.05, backend="cpu")
     with_old = False
@@ -85,7 +85,12 @@ def test_step_matches_hand_assembled_update(case):
     opt = torch.optim.SGD(model.parameters(), lr=1e-2, weight_decay=0.1)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=1e-2, weight_decay=0.1)
 
+    calls = []
+    original = vcpo.PerSequenceGradients.assemble
+    monkeypatch.setattr(vcpo.PerSequenceGradients, "assemble",
+                        lambda self, c: (calls.append(1), original(self, c))[1])
     metrics = vcpo.step(model, opt, batch, config)
+    assert bool(calls) == (case == "bookkeeping")  # auto picks book-keeping exactly where it is exact
 
     if case in ("lm_head", "length"):  # the reference's G_i for these proxies
         mask = batch.loss_mask[:, 1:] != 0

@@ -32,6 +32,9 @@ def policy_loss(logp: Tensor, behavior_logp: Tensor, *, process_group, options, 
     """vcpo_kernels.policy_loss with ESS, lr scale and baselines over all ranks of `process_group`."""
     if not dist.is_initialized():
         raise ValueError("process_group was given but torch.distributed is not initialised")
+    if group_index is not None and num_groups is None:
+        raise ValueError("num_groups is required with a process_group: group indices are global, and a rank "
+                         "cannot infer the count from its own sequences")
     tokens = token_batch(logp, behavior_logp, old_logp, mask, cu_seqlens, validate)
     batch_scope = options.advantage == "opob" and options.opob_scope == "batch"
     seq = sequence_batch(tokens, rewards, advantages, group_index, num_groups, grad_sq_norm, batch_scope, validate)
@@ -47,8 +50,13 @@ def policy_loss(logp: Tensor, behavior_logp: Tensor, *, process_group, options, 
         seq.group_index.double() if seq.group_index is not None else zeros,
     ], 1)
     world = dist.get_world_size(process_group)
+    if validate:  # every rank must hold as many sequences (a second, tiny collective)
+        sizes = [torch.zeros(1, dtype=torch.int64, device=logp.device) for _ in range(world)]
+        dist.all_gather(sizes, torch.tensor([b], device=logp.device), group=process_group)
+        if len({int(x) for x in sizes}) != 1:
+            raise ValueError(f"every rank must pass the same number of sequences, got {[int(x) for x in sizes]}")
     parts = [torch.empty_like(local) for _ in range(world)]
-    dist.all_gather(parts, local, group=process_group)  # the one collective
+    dist.all_gather(parts, local, group=process_group)  # the one collective of the loss
     every = torch.cat(parts)
     s, length = every[:, 0], every[:, 1]
     first = dist.get_rank(process_group) * b

@@ -50,6 +50,7 @@ class _Record:
     name: str
     inputs: list = field(default_factory=list)  # one entry per call of the module in the forward
     grads: list = field(default_factory=list)
+    outputs: list = field(default_factory=list)  # held until their gradient arrives (see backward())
 
 
 class PerSequenceGradients:
@@ -62,7 +63,7 @@ class PerSequenceGradients:
     head alone, a cheaper proxy)."""
 
     def __init__(self, model: nn.Module, *, num_seqs: Optional[int] = None, cu_seqlens: Optional[Tensor] = None,
-                 ghost: Optional[bool] = None, modules: Optional[list] = None, activations_only: bool = False):
+                 ghost: Optional[bool] = None, modules: Optional[list] = None):
         if (num_seqs is None) == (cu_seqlens is None):
             raise ValueError("pass num_seqs (padded layout) or cu_seqlens (packed layout), not both")
         if cu_seqlens is not None and (cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1):
@@ -77,11 +78,6 @@ class PerSequenceGradients:
             self._max_len = int(lengths.max()) if self.num_seqs > 0 else 0
         self.ghost = ghost  # None: cheaper of ghost and materialised per layer; True/False forces one
         self.modules = None if modules is None else list(modules)  # None: every module with parameters
-        # activations_only: the recorded backward skips the parameters' own gradients (which book-keeping
-        # forms later from the records anyway): parameters are frozen inside the block and module outputs made
-        # to require grad, so the backward computes only what the records need.
-        self.activations_only = activations_only
-        self._frozen: list = []
         self._records: list[_Record] = []
         self._handles = []
 
@@ -91,22 +87,33 @@ class PerSequenceGradients:
             params = [p for p in module.parameters(recurse=False) if p.requires_grad]
             if not params or (self.modules is not None and not any(module is m for m in self.modules)):
                 continue
+            if isinstance(module, nn.Embedding) and (module.scale_grad_by_freq or module.sparse):
+                raise ValueError(f"embedding {name!r} uses scale_grad_by_freq or sparse gradients: its "
+                                 "per-sequence gradients are not supported")
             record = _Record(module, name or type(module).__name__)
             self._records.append(record)
             self._handles.append(module.register_forward_hook(self._forward_hook(record), with_kwargs=True))
-        if self.activations_only:
-            self._frozen = [p for p in self.model.parameters() if p.requires_grad]
-            for p in self._frozen:
-                p.requires_grad_(False)
         return self
 
     def __exit__(self, *exc) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        for p in self._frozen:
-            p.requires_grad_(True)
-        self._frozen = []
+
+    def backward(self, objective: Tensor, retain_graph: bool = False) -> None:
+        """Backpropagate `objective` to the recorded module outputs only: their gradients are recorded and the
+        parameters' own gradients are not computed (nor accumulated into .grad, nor seen by DDP's hooks);
+        `objective.backward()` records the same, at the cost of the parameter gradients."""
+        outputs = [o for rec in self._records for o in rec.outputs if o is not None]
+        if outputs:
+            torch.autograd.grad(objective, outputs, retain_graph=retain_graph, allow_unused=True)
+
+    def release(self) -> None:
+        """Drop the records (layer inputs and output gradients): call once the norms and gradient are formed."""
+        for rec in self._records:
+            rec.inputs.clear()
+            rec.grads.clear()
+            rec.outputs.clear()
 
     def _forward_hook(self, record: _Record):
         def hook(module, args, kwargs, output):
@@ -115,25 +122,29 @@ class PerSequenceGradients:
             if not isinstance(output, Tensor):
                 raise ValueError(f"module {record.name!r} returns {type(output).__name__}; per-sequence norms "
                                  "need modules with parameters to return one tensor")
-            if kwargs and not isinstance(module, (nn.Linear, nn.Embedding)) and not _is_conv1d(module):
-                raise ValueError(f"module {record.name!r} ({type(module).__name__}) was called with keyword "
-                                 "arguments; its per-sequence gradients cannot be replayed")
+            special = isinstance(module, (nn.Linear, nn.Embedding)) or _is_conv1d(module)
+            if not special and (kwargs or sum(isinstance(a, Tensor) for a in args) != 1):
+                raise ValueError(f"module {record.name!r} ({type(module).__name__}) was called with keyword or "
+                                 "several tensor arguments; its per-sequence gradients cannot be replayed")
             if not output.requires_grad:
-                if not self.activations_only or output.grad_fn is not None:
-                    return
-                output.requires_grad_()  # parameters frozen: start the graph here
-            if self.cu_seqlens is None and output.shape[0] == 1 and self.num_seqs > 1:
-                # An output shared by every row (GPT-2's position embedding of [1, T] ids) is broadcast later;
-                # broadcasting it here instead keeps each row's gradient apart. Same values, a view.
+                return
+            if (isinstance(module, nn.Embedding) and self.cu_seqlens is None and output.shape[0] == 1
+                    and self.num_seqs > 1):
+                # An embedding of ids shared by every row (GPT-2's positions, [1, T]) is broadcast by the add
+                # that follows; broadcasting it here keeps each row's gradient apart. Same values, a view.
                 output = output.expand(self.num_seqs, *output.shape[1:])
-                args = tuple(a.expand(self.num_seqs, *a.shape[1:]) if isinstance(a, Tensor) and a.dim() > 0
-                             and a.shape[0] == 1 else a for a in args)
+                args = (args[0].expand(self.num_seqs, *args[0].shape[1:]),) + tuple(args[1:])
             slot = len(record.inputs)
             record.inputs.append(tuple(a.detach() if isinstance(a, Tensor) else a for a in args))
             record.grads.append(None)
+            record.outputs.append(output)
 
             def grad_hook(grad):
-                record.grads[slot] = grad.detach()
+                # The first gradient is the recorded one (a second backward through a kept graph must not
+                # replace or add records); the output itself is no longer needed.
+                if slot < len(record.grads) and record.grads[slot] is None:
+                    record.grads[slot] = grad.detach()
+                    record.outputs[slot] = None
 
             output.register_hook(grad_hook)
             return output
@@ -141,12 +152,14 @@ class PerSequenceGradients:
         return hook
 
     # -- per-sequence rows -------------------------------------------------------------------------------
-    def _rows(self, x: Tensor) -> Tensor:
-        """[B, T, ...] view of a module tensor (at least 3-D): padded rows as they are; packed tokens, seen as
-        [1, N, ...] or [N, ...], scattered into zero-padded rows."""
+    def _rows(self, x: Tensor, ids: bool = False) -> Tensor:
+        """Per-sequence rows of a module tensor: [B, L, d] for activations (every vector along the last
+        dimension is a row, so [B, d] gives L = 1 and [B, T, H, d] gives L = T H), [B, L] for token ids.
+        Packed tokens, seen as [1, N, ...] or [N, ...], are scattered into zero-padded rows."""
+        b = self.num_seqs
         if self.cu_seqlens is None:
-            if x.shape[0] != self.num_seqs:
-                raise ValueError(f"a module saw batch size {x.shape[0]}, expected num_seqs = {self.num_seqs}")
+            if x.shape[0] != b:
+                raise ValueError(f"a module saw batch size {x.shape[0]}, expected num_seqs = {b}")
             rows = x
         else:
             n = self._num_tokens
@@ -156,14 +169,14 @@ class PerSequenceGradients:
             cu = self.cu_seqlens.to(flat.device)
             seq = self._token_seq(flat.device)
             pos = torch.arange(n, device=flat.device) - cu[seq]
-            rows = flat.new_zeros((self.num_seqs, self._max_len, *flat.shape[1:]))
+            rows = flat.new_zeros((b, self._max_len, *flat.shape[1:]))
             rows[seq, pos] = flat
-        return rows if rows.dim() > 2 else rows.unsqueeze(-1)
+        return rows.reshape(b, -1) if ids else rows.reshape(b, -1, x.shape[-1])
 
     def _row_weights(self, coefficients: Tensor, like: Tensor) -> Tensor:
         """Each sequence's coefficient for every row of like.reshape(-1, like.shape[-1]) (tokens in the order
         the module saw them)."""
-        c = coefficients.to(device=like.device, dtype=_acc(like).dtype)
+        c = coefficients.to(device=like.device, dtype=torch.promote_types(like.dtype, torch.float32))
         if self.cu_seqlens is None:
             return c.repeat_interleave(like[0].numel() // like.shape[-1] if like.shape[0] else 0)
         return c[self._token_seq(like.device)]
@@ -174,7 +187,6 @@ class PerSequenceGradients:
         return torch.repeat_interleave(torch.arange(self.num_seqs, device=device), cu[1:] - cu[:-1],
                                        output_size=self._num_tokens)
 
-    # -- norms -------------------------------------------------------------------------------------------
     # -- gradient assembly ("book-keeping") -------------------------------------------------------------
     @torch.no_grad()
     def assemble(self, coefficients: Tensor) -> None:
@@ -257,11 +269,10 @@ class PerSequenceGradients:
         kind, rec, x, grad, _ = use
         b = _acc(self._rows(grad))
         if kind == "bias":
-            return b.sum(1).flatten(1).pow(2).sum(1)
+            return b.sum(1).pow(2).sum(1)
         if kind == "embedding":
             return self._embedding_norm(rec.module, x, b)
         a = _acc(self._rows(x))
-        a, b = a.flatten(2), b.flatten(2)
         t, d_in, d_out = a.shape[1], a.shape[2], b.shape[2]
         ghost = self.ghost if self.ghost is not None else t * (d_in + d_out) <= d_in * d_out
         if ghost:  # <A A^T, B B^T>: O(T^2 (d_in + d_out)) per sequence
@@ -272,8 +283,7 @@ class PerSequenceGradients:
                         per_seq_elements=d_in * d_out)
 
     def _embedding_norm(self, module: nn.Embedding, ids: Tensor, b: Tensor) -> Tensor:
-        ids = self._rows(ids).squeeze(-1)
-        b = b.flatten(2)
+        ids = self._rows(ids, ids=True)
         keep = torch.ones_like(ids, dtype=torch.bool)
         if module.padding_idx is not None:
             keep = ids != module.padding_idx  # the padding row receives no gradient
@@ -301,12 +311,12 @@ class PerSequenceGradients:
             _, rec_l, x_l, grad_l, _ = v
             if _is_conv1d(rec_l.module):
                 raise ValueError(f"weight shared by embedding {rec_e.name!r} and Conv1D {rec_l.name!r}: unsupported")
-            ids = self._rows(ids).squeeze(-1)
-            b_e = _acc(self._rows(grad_e)).flatten(2)
+            ids = self._rows(ids, ids=True)
+            b_e = _acc(self._rows(grad_e))
             if rec_e.module.padding_idx is not None:
                 b_e = b_e * (ids != rec_e.module.padding_idx).unsqueeze(-1)
-            a_l = _acc(self._rows(x_l)).flatten(2)
-            b_l = _acc(self._rows(grad_l)).flatten(2)
+            a_l = _acc(self._rows(x_l))
+            b_l = _acc(self._rows(grad_l))
             inner = torch.bmm(a_l, b_e.transpose(1, 2))  # [B, T_l, T_e]: <A_s, B^emb_t>
             picked = torch.gather(b_l, 2, ids.unsqueeze(1).expand(-1, b_l.shape[1], -1))  # B^lin_{s, x_t}
             return (inner * picked).sum((1, 2))
@@ -318,13 +328,13 @@ class PerSequenceGradients:
         kind, rec, x, grad, args = use
         m = rec.module
         if kind == "linear":
-            g = torch.bmm(self._rows(grad).flatten(2).transpose(1, 2), self._rows(x).flatten(2))
+            g = torch.bmm(self._rows(grad).transpose(1, 2), self._rows(x))
             return g.transpose(1, 2) if _is_conv1d(m) else g
         if kind == "bias":
-            return self._rows(grad).flatten(2).sum(1)
+            return self._rows(grad).sum(1)
         if kind == "embedding":
-            ids = self._rows(x).squeeze(-1)
-            b = self._rows(grad).flatten(2)
+            ids = self._rows(x, ids=True)
+            b = self._rows(grad)
             out = b.new_zeros((self.num_seqs, *m.weight.shape))
             out.scatter_add_(1, ids.unsqueeze(-1).expand(-1, -1, b.shape[-1]), b)
             if m.padding_idx is not None:
@@ -353,7 +363,8 @@ class PerSequenceGradients:
             per = vmap(one)(x, grad)  # {name: [B, *shape]}
         else:
             n = self._num_tokens
-            flat_x, flat_g = x.reshape(n, *x.shape[-1:]), grad.reshape(n, *grad.shape[-1:])
+            packed = lambda t: t[0] if t.dim() >= 2 and t.shape[0] == 1 and t.shape[1] == n else t  # noqa: E731
+            flat_x, flat_g = packed(x), packed(grad)  # [N, ...]: one entry per token
             per_token = vmap(one)(flat_x, flat_g)
             seq = self._token_seq(x.device)
             per = {n: t.new_zeros((self.num_seqs, *t.shape[1:])).index_add_(0, seq, t) for n, t in per_token.items()}

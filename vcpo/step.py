@@ -57,12 +57,28 @@ def _bookkeeping_exact(config: VCPOConfig, batch: RolloutBatch) -> bool:
     return batch.old_logp is None and config.is_level != "token"
 
 
+def _average_gradients(params: list, group) -> None:
+    """Mean of every parameter's gradient over the ranks of `group`, in one all_reduce of a flat buffer."""
+    import torch.distributed as dist
+
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    offset = 0
+    for p, g in zip(params, grads):
+        p.grad = flat[offset:offset + g.numel()].view_as(p).clone()
+        offset += g.numel()
+
+
 def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch,
          config: Optional[VCPOConfig] = None, process_group=None) -> dict[str, float]:
-    """One VCPO update of `model` (a causal LM returning `.logits`, e.g. any Hugging Face model). Returns the
-    metrics; the only host sync is the one that reads them (and the lr scale with them). With a data-parallel
-    `process_group`, the ESS, lr scale and baselines cover the sequences of all its ranks (vcpo.distributed);
-    averaging the gradients across ranks stays the caller's (DDP's) job."""
+    """One VCPO update of `model` (a causal LM returning `.logits`, e.g. any Hugging Face model; not wrapped
+    in DDP). Returns the metrics; the only host sync is the one that reads them (and the lr scale with them):
+    the batch's values are not validated here (vcpo.policy_loss does that, at the cost of host reads).
+    With a data-parallel `process_group` (every rank calling with its own sequences, as many as the others,
+    and a global `num_groups`), the ESS, lr scale and baselines cover the sequences of all ranks and the
+    gradients are averaged over the ranks before clipping, so every rank takes the same step."""
     config = config if config is not None else VCPOConfig()
     if not isinstance(batch, RolloutBatch):
         raise ValueError(f"batch must be a vcpo.RolloutBatch, got {type(batch).__name__}")
@@ -83,16 +99,17 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch
 
     optimizer.zero_grad(set_to_none=True)
     modules = None if config.grad_norms == "exact" else [model.get_output_embeddings()]
-    recorder = (PerSequenceGradients(model, num_seqs=b, modules=modules, activations_only=bookkeeping)
-                if record else nullcontext())
+    recorder = PerSequenceGradients(model, num_seqs=b, modules=modules) if record else nullcontext()
     with recorder as psg:
         logits = model(input_ids=ids, attention_mask=batch.attention_mask).logits
         logp = token_logp(logits[:, :-1], ids[:, 1:])
         del logits
-        if record:  # the norm pass: one backward of sum_i sum_t log pi(y_it)
-            torch.where(mask, logp, 0).sum().backward(retain_graph=not bookkeeping)
-    if config.grad_norms in ("exact", "lm_head"):
+        if record:  # the norm pass: sum_i sum_t log pi(y_it) back to the recorded layers, no weight gradients
+            psg.backward(torch.where(mask, logp, 0).sum(), retain_graph=not bookkeeping)
+    if record:
         grad_sq_norm = psg.sq_norms().to(logp.dtype)
+        if not bookkeeping:
+            psg.release()
     elif config.grad_norms == "length":
         grad_sq_norm = mask.sum(1).to(logp.dtype)
     else:
@@ -103,17 +120,18 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch
         leaf, batch.behavior_logp[:, 1:], mask=mask,
         old_logp=None if batch.old_logp is None else batch.old_logp[:, 1:],
         rewards=batch.rewards, group_index=batch.group_index, num_groups=batch.num_groups,
-        grad_sq_norm=grad_sq_norm, config=config, process_group=process_group,
+        grad_sq_norm=grad_sq_norm, config=config, process_group=process_group, validate=False,
     )
     (dlogp,) = torch.autograd.grad(out.loss, leaf)
-    for p in params:  # drop the norm pass's gradients: the update's gradient replaces them
-        p.grad = None
     if bookkeeping:
         # d loss / d log pi_it = k_i on every counted token of sequence i: the gradient is sum_i k_i g_i.
         k = (dlogp * mask).sum(1) / mask.sum(1).clamp(min=1)
         psg.assemble(k.double())
+        psg.release()
     else:
         logp.backward(dlogp)
+    if process_group is not None:
+        _average_gradients(params, process_group)
 
     grad_norm = (torch.nn.utils.clip_grad_norm_(params, config.grad_clip) if config.grad_clip is not None
                  else torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
