@@ -225,21 +225,26 @@ def test_recorder_backward_records_the_same_and_skips_parameter_gradients():
     model = transformers.AutoModelForCausalLM.from_config(config).double().eval()
     ids = torch.randint(1, 48, (3, 7))
     results = []
-    for own_backward in (False, True):
+    for own_backward, freeze in ((False, False), (True, False), (True, True)):
         model.zero_grad(set_to_none=True)
-        with PerSequenceGradients(model, num_seqs=3) as psg:
+        with PerSequenceGradients(model, num_seqs=3, freeze_parameters=freeze) as psg:
             objective = _token_logp(model(input_ids=ids).logits[:, :-1], ids[:, 1:]).sum()
             psg.backward(objective) if own_backward else objective.backward()
+            if freeze:
+                with pytest.raises(ValueError, match="frozen"):
+                    psg.sq_norms()
         assert any(p.grad is not None for p in model.parameters()) != own_backward
+        assert all(p.requires_grad for p in model.parameters())  # restored on leaving the block
         c = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
         model.zero_grad(set_to_none=True)
         psg.assemble(c)
         results.append((psg.sq_norms(), [p.grad.clone() for p in model.parameters()]))
         psg.release()
         assert psg.sq_norms().abs().sum() == 0  # released: nothing recorded any more
-    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-12, atol=0)
-    for a, b in zip(results[0][1], results[1][1]):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)
+    for other in results[1:]:
+        torch.testing.assert_close(results[0][0], other[0], rtol=1e-12, atol=0)
+        for a, b in zip(results[0][1], other[1]):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)
 
 
 class _Wide(nn.Module):

@@ -63,7 +63,7 @@ class PerSequenceGradients:
     head alone, a cheaper proxy)."""
 
     def __init__(self, model: nn.Module, *, num_seqs: Optional[int] = None, cu_seqlens: Optional[Tensor] = None,
-                 ghost: Optional[bool] = None, modules: Optional[list] = None):
+                 ghost: Optional[bool] = None, modules: Optional[list] = None, freeze_parameters: bool = False):
         if (num_seqs is None) == (cu_seqlens is None):
             raise ValueError("pass num_seqs (padded layout) or cu_seqlens (packed layout), not both")
         if cu_seqlens is not None and (cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1):
@@ -78,6 +78,11 @@ class PerSequenceGradients:
             self._max_len = int(lengths.max()) if self.num_seqs > 0 else 0
         self.ghost = ghost  # None: cheaper of ghost and materialised per layer; True/False forces one
         self.modules = None if modules is None else list(modules)  # None: every module with parameters
+        # freeze_parameters: inside the block trainable parameters do not require grad, so the forward keeps
+        # only what activation gradients need (not the inputs of weight gradients) and module outputs start
+        # the graph; for a norm pass followed by assemble(), never by a backward to the parameters.
+        self.freeze_parameters = freeze_parameters
+        self._frozen: list = []
         self._records: list[_Record] = []
         self._handles = []
 
@@ -93,12 +98,23 @@ class PerSequenceGradients:
             record = _Record(module, name or type(module).__name__)
             self._records.append(record)
             self._handles.append(module.register_forward_hook(self._forward_hook(record), with_kwargs=True))
+        if self.freeze_parameters:
+            self._frozen = [p for p in self.model.parameters() if p.requires_grad]
+            for p in self._frozen:
+                p.requires_grad_(False)
         return self
 
     def __exit__(self, *exc) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for p in self._frozen:
+            p.requires_grad_(True)
+        self._frozen = []
+
+    def _check_unfrozen(self) -> None:
+        if self._frozen:
+            raise ValueError("leave the PerSequenceGradients block first: its parameters are frozen inside it")
 
     def backward(self, objective: Tensor, retain_graph: bool = False) -> None:
         """Backpropagate `objective` to the recorded module outputs only: their gradients are recorded and the
@@ -127,7 +143,9 @@ class PerSequenceGradients:
                 raise ValueError(f"module {record.name!r} ({type(module).__name__}) was called with keyword or "
                                  "several tensor arguments; its per-sequence gradients cannot be replayed")
             if not output.requires_grad:
-                return
+                if not self._frozen:
+                    return
+                output.requires_grad_()  # parameters frozen: the graph starts at the module outputs
             if (isinstance(module, nn.Embedding) and self.cu_seqlens is None and output.shape[0] == 1
                     and self.num_seqs > 1):
                 # An embedding of ids shared by every row (GPT-2's positions, [1, T]) is broadcast by the add
@@ -195,6 +213,7 @@ class PerSequenceGradients:
         stored layer inputs and output gradients, without a second backward through the model.
         Exact when the loss to be optimised is sum_i c_i sum_t log pi(y_it), i.e. its gradient with respect
         to each token's log-prob is constant within a sequence (see vcpo.step for when that holds)."""
+        self._check_unfrozen()
         if coefficients.shape != (self.num_seqs,):
             raise ValueError(f"coefficients must have shape [num_seqs] = [{self.num_seqs}]")
         for rec, x, grad, args in self._uses():
@@ -237,6 +256,7 @@ class PerSequenceGradients:
 
     def sq_norms(self) -> Tensor:
         """[B] float64: sum over trainable parameters of ||per-sequence gradient||^2, tied weights exact."""
+        self._check_unfrozen()
         uses = defaultdict(list)  # id(param) -> [(kind, record, input rows, grad rows, args)]
         params = {}
         for rec, x, grad, args in self._uses():

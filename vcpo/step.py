@@ -99,7 +99,8 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch
 
     optimizer.zero_grad(set_to_none=True)
     modules = None if config.grad_norms == "exact" else [model.get_output_embeddings()]
-    recorder = PerSequenceGradients(model, num_seqs=b, modules=modules) if record else nullcontext()
+    recorder = (PerSequenceGradients(model, num_seqs=b, modules=modules, freeze_parameters=bookkeeping)
+                if record else nullcontext())
     with recorder as psg:
         logits = model(input_ids=ids, attention_mask=batch.attention_mask).logits
         logp = token_logp(logits[:, :-1], ids[:, 1:])
