@@ -291,10 +291,22 @@ def test_unsupported_modules_are_named():
             h = self.emb(ids)
             return self.pair(h, h)
 
+    class KeywordCall(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = TwoInputs()
+
+        def forward(self, x):
+            return self.inner(x, y=1.0)
+
     net = Net(nn.Embedding(5, 3))
     with pytest.raises(ValueError, match="'pair'.*several tensor arguments"):
         with PerSequenceGradients(net, num_seqs=2) as psg:
             psg.backward(net(torch.randint(0, 5, (2, 4))).sum())
+    keyword = KeywordCall()
+    with pytest.raises(ValueError, match="'inner'.*keyword"):
+        with PerSequenceGradients(keyword, num_seqs=2):
+            keyword(torch.randn(2, 4, 3)).sum().backward()
     for flags in (dict(scale_grad_by_freq=True), dict(sparse=True)):
         with pytest.raises(ValueError, match="'emb'"):
             with PerSequenceGradients(Net(nn.Embedding(5, 3, **flags)), num_seqs=2):
@@ -335,26 +347,3 @@ def test_hugging_face_causal_lms_packed(name):
         per_token().sum().backward()
     assert want[1] == 0 and torch.all(want[[0, 2, 3]] > 0)  # a one-token sequence predicts nothing
     torch.testing.assert_close(psg.sq_norms(), want, rtol=1e-6, atol=1e-10)
-
-
-def test_a_module_that_cannot_be_replayed_is_named():
-    class Scaled(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.scale = nn.Parameter(torch.ones(3))
-
-        def forward(self, x, *, bias):
-            return self.scale * x + bias
-
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inner = Scaled()
-
-        def forward(self, x):
-            return self.inner(x, bias=1.0)
-
-    net = Net()
-    with pytest.raises(ValueError, match="'inner'.*keyword"):
-        with PerSequenceGradients(net, num_seqs=2):
-            net(torch.randn(2, 4, 3)).sum().backward()

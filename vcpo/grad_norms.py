@@ -277,15 +277,15 @@ class PerSequenceGradients:
         for pid, use_list in uses.items():
             p = params[pid]
             if len(use_list) == 1 and use_list[0][0] == "bias":
-                total += self._single_use_norm(use_list[0], p)
+                total += self._single_use_norm(use_list[0])
             elif all(u[0] in ("linear", "embedding") for u in use_list):
-                total += self._tied_norm(use_list, p)  # one use, or a weight shared by embedding and head
+                total += self._tied_norm(use_list)  # one use, or a weight shared by embedding and head
             else:  # materialise each use's per-sequence gradient and add them before the norm
                 g = sum(self._materialised(u, p) for u in use_list)
                 total += _acc(g).flatten(1).pow(2).sum(1).double()
         return total
 
-    def _single_use_norm(self, use, p: Tensor) -> Tensor:
+    def _single_use_norm(self, use) -> Tensor:
         kind, rec, x, grad, _ = use
         b = _acc(self._rows(grad))
         if kind == "bias":
@@ -312,9 +312,9 @@ class PerSequenceGradients:
         return _chunked(lambda ids, b: ((ids.unsqueeze(2) == ids.unsqueeze(1)) * torch.bmm(b, b.transpose(1, 2)))
                         .sum((1, 2)), ids, b, per_seq_elements=2 * t * t)
 
-    def _tied_norm(self, use_list, p: Tensor) -> Tensor:
+    def _tied_norm(self, use_list) -> Tensor:
         """||sum_u g_u||^2 over the uses of one weight by embeddings and linear layers (e.g. a tied LM head)."""
-        total = sum(self._single_use_norm(u, p) for u in use_list)
+        total = sum(self._single_use_norm(u) for u in use_list)
         for i in range(len(use_list)):
             for j in range(i + 1, len(use_list)):
                 total = total + 2 * self._cross_term(use_list[i], use_list[j])
