@@ -137,7 +137,11 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch
     grad_norm = (torch.nn.utils.clip_grad_norm_(params, config.grad_clip) if config.grad_clip is not None
                  else torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
     mean_g = grad_sq_norm.mean() if grad_sq_norm is not None else torch.ones((), device=grad_norm.device)
-    metrics = out.metrics(grad_norm=grad_norm, grad_sq_norm_mean=mean_g)  # the one host sync of the step
+    valid = mask.any(1).to(out.advantages.dtype)
+    metrics = out.metrics(  # the one host sync of the step
+        grad_norm=grad_norm, grad_sq_norm_mean=mean_g, baseline_mean=out.baseline.mean(),
+        advantage_abs_mean=(out.advantages.abs() * valid).sum() / valid.sum().clamp(min=1),
+    )
     lr_scale = metrics["lr_scale"]
     if not math.isfinite(lr_scale):
         lr_scale = 0.0

@@ -1,0 +1,253 @@
+"""The trainer's parts that need no engine: settings and their errors, the prompt stream, rewards, data files,
+padding, and the staleness-bounded producer driven by a fake engine."""
+
+import json
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from vcpo.trainer import LOSS_PRESETS, TrainConfig, load_file, make_config
+from vcpo.trainer.rollouts import GeneratedBatch, Rollout, RolloutProducer, StalenessError, pad_rollouts
+from vcpo.trainer.task import (PromptStream, addition_problems, exact_match, load_problems, resolve_reward,
+                               split_problems)
+
+
+# -- settings ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("change, name", [
+    ({"steps": 0}, "steps"), ({"steps": 2.5}, "steps"), ({"prompts_per_step": -1}, "prompts_per_step"),
+    ({"responses_per_prompt": 0}, "responses_per_prompt"), ({"max_staleness": -1}, "max_staleness"),
+    ({"lr": float("nan")}, "lr"), ({"lr": -1e-3}, "lr"),
+    ({"loss": "ppo2"}, "loss"), ({"engine": "remote"}, "engine"), ({"dtype": "int8"}, "dtype"),
+    ({"max_new_tokens": 0}, "max_new_tokens"), ({"ess_scaling": "yes"}, "ess_scaling"),
+    ({"vcpo": {"is_threshold": -1}}, "is_threshold"), ({"vcpo": {"no_such_option": 1}}, "no_such_option"),
+    ({"model": "/no/such/folder"}, "model"), ({"engine_cores": "0-x"}, "engine_cores"),
+    ({"trainer_cores": "4096"}, "trainer_cores"), ({"weight_decay": -0.1}, "weight_decay"),
+    ({"kv_cache_gib": 0}, "kv_cache_gib"),
+])
+def test_bad_settings_name_the_setting(change, name):
+    with pytest.raises(ValueError, match=name):
+        make_config(**change)
+
+
+def test_unknown_setting_and_data_without_model():
+    with pytest.raises(ValueError, match="unknown settings"):
+        make_config(stepz=3)
+    with pytest.raises(ValueError, match="data needs model"):
+        make_config(data="x.jsonl")
+
+
+def test_presets_and_switches():
+    for name in LOSS_PRESETS:
+        make_config(loss=name).vcpo_config()  # every preset is a valid VCPOConfig
+    default = make_config().vcpo_config()
+    assert (default.is_level, default.is_correction, default.is_threshold) == ("sequence", "truncate", 8.0)
+    assert (default.advantage, default.grad_norms, default.lr_rule) == ("opob", "exact", "sqrt")
+    grpo = make_config(loss="grpo").vcpo_config()
+    assert (grpo.is_correction, grpo.advantage, grpo.lr_rule) == ("none", "grpo", None)
+    both = make_config(loss="token-tis", ess_scaling=True, opob=True).vcpo_config()
+    assert (both.is_level, both.lr_rule, both.advantage, both.grad_norms) == ("token", "sqrt", "opob", "exact")
+    off = make_config(ess_scaling=False, opob=False, vcpo={"is_threshold": 4.0}).vcpo_config()
+    assert (off.lr_rule, off.advantage, off.is_threshold) == (None, "grpo", 4.0)
+    assert make_config(loss="ppo").vcpo_config().clip_ratio == (0.2, 0.28)
+
+
+@pytest.mark.parametrize("suffix", ["yaml", "toml", "json"])
+def test_config_files(tmp_path, suffix):
+    text = {"yaml": "steps: 7\nloss: seq-tis\nvcpo:\n  is_threshold: 4.0\n",
+            "toml": 'steps = 7\nloss = "seq-tis"\n[vcpo]\nis_threshold = 4.0\n',
+            "json": json.dumps({"steps": 7, "loss": "seq-tis", "vcpo": {"is_threshold": 4.0}})}[suffix]
+    path = tmp_path / f"c.{suffix}"
+    path.write_text(text)
+    cfg = make_config(load_file(str(path)), steps=9, vcpo={"ess_base_ratio": 0.5})
+    assert (cfg.steps, cfg.loss) == (9, "seq-tis")  # the command line wins
+    assert cfg.vcpo == {"is_threshold": 4.0, "ess_base_ratio": 0.5}  # option mappings merge
+
+
+def test_config_file_errors(tmp_path):
+    bad = tmp_path / "c.yaml"
+    bad.write_text("stepz: 3\n")
+    with pytest.raises(ValueError, match="stepz"):
+        load_file(str(bad))
+    with pytest.raises(ValueError, match="no such file"):
+        load_file(str(tmp_path / "missing.yaml"))
+    other = tmp_path / "c.ini"
+    other.write_text("")
+    with pytest.raises(ValueError, match=".yaml"):
+        load_file(str(other))
+
+
+def test_cli_reports_bad_settings(capsys):
+    from vcpo.cli import main
+
+    assert main(["train", "--steps", "0"]) == 2
+    assert "steps must be an integer >= 1" in capsys.readouterr().err
+    assert main(["train", "--is-threshold", "-3"]) == 2
+    assert "is_threshold" in capsys.readouterr().err
+    assert main(["train", "--resume", "/no/such/run"]) == 2
+    assert "not a run folder" in capsys.readouterr().err
+
+
+# -- prompts, rewards, data ----------------------------------------------------------------------------------------
+def test_addition_problems_are_correct_and_distinct():
+    probs = addition_problems(500, 2, seed=3)
+    assert len({p.prompt for p in probs}) == 500
+    for p in probs:
+        a, b = map(int, p.prompt.rstrip("=").split("+"))
+        assert int(p.answer) == a + b and 0 <= a < 100 and 0 <= b < 100
+    with pytest.raises(ValueError):
+        addition_problems(101, 1, seed=0)
+
+
+def test_prompt_stream_is_a_function_of_seed_and_batch():
+    s1, s2 = PromptStream(37, seed=5), PromptStream(37, seed=5)
+    batches = [s1.batch(j, 8) for j in range(20)]
+    assert [s2.batch(j, 8) for j in reversed(range(20))] == list(reversed(batches))  # any order, same stream
+    flat = [i for b in batches for i in b]
+    for epoch in range(4):  # each epoch is a permutation: nothing repeated, nothing skipped
+        assert sorted(flat[epoch * 37:(epoch + 1) * 37]) == list(range(37))
+    assert PromptStream(37, seed=6).batch(0, 8) != batches[0]
+
+
+def test_split_is_disjoint_and_seeded():
+    probs = addition_problems(200, 2, seed=0)
+    train, held = split_problems(probs, 50, seed=1)
+    assert len(train) == 150 and len(held) == 50 and not {p.prompt for p in train} & {p.prompt for p in held}
+    assert split_problems(probs, 50, seed=1) == (train, held)
+    with pytest.raises(ValueError, match="eval_size"):
+        split_problems(probs, 200, seed=1)
+
+
+def test_exact_match_and_reward_resolution():
+    assert exact_match(" 42 ", "42") == 1.0 and exact_match("42 ", "43") == 0.0 and exact_match("4 2", "42") == 0.0
+    assert resolve_reward(None) is exact_match
+    assert resolve_reward("os.path:join") is __import__("os").path.join
+    for spec, msg in [("nocolon", "module:function"), ("no_such_module_xyz:f", "cannot import"),
+                      ("os:no_such_function", "no function")]:
+        with pytest.raises(ValueError, match=msg):
+            resolve_reward(spec)
+
+
+def test_load_problems_jsonl_and_parquet(tmp_path):
+    rows = [{"q": f"{i}+1=", "a": i + 1} for i in range(5)]
+    jl = tmp_path / "d.jsonl"
+    jl.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    got = load_problems(str(jl), "q", "a")
+    assert [(p.prompt, p.answer) for p in got] == [(r["q"], str(r["a"])) for r in rows]
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), str(tmp_path / "d.parquet"))
+    assert load_problems(str(tmp_path / "d.parquet"), "q", "a") == got
+    with pytest.raises(ValueError, match="no field 'prompt'"):
+        load_problems(str(jl), "prompt", "a")
+    (tmp_path / "bad.jsonl").write_text('{"q": 1}\n{oops\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        load_problems(str(tmp_path / "bad.jsonl"), "q", "a")
+    with pytest.raises(ValueError, match=".jsonl or .parquet"):
+        load_problems(__file__, "q", "a")
+
+
+def test_pad_rollouts_aligns_tokens_and_logprobs():
+    rs = [Rollout(0, 0, 0, [1, 5, 6], [7, 2], [-0.5, -0.25], "stop", 1.0, 0),
+          Rollout(0, 0, 1, [1, 5], [9, 9, 9, 2], [-1.0, -2.0, -3.0, -4.0], "stop", 0.0, 0)]
+    ids, attn, loss_mask, mu = pad_rollouts(rs, pad_id=0)
+    assert ids.tolist() == [[1, 5, 6, 7, 2, 0], [1, 5, 9, 9, 9, 2]]
+    assert attn.tolist() == [[1, 1, 1, 1, 1, 0], [1] * 6]
+    assert loss_mask.tolist() == [[0, 0, 0, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
+    assert mu[0, 3:5].tolist() == [-0.5, -0.25] and mu[1, 2:].tolist() == [-1.0, -2.0, -3.0, -4.0]
+
+
+def test_generated_batch_round_trips():
+    b = GeneratedBatch(3, 1, [Rollout(3, 4, 0, [1], [2], [-0.1], None, 0.5, 1)], 0.25, 1)
+    assert GeneratedBatch.from_state(json.loads(json.dumps(b.to_state()))) == b
+
+
+# -- the producer with a fake engine --------------------------------------------------------------------------------
+def _drive(k: int, steps: int, gen_s: float, train_s: float, seed: int = 0, stop_at: int | None = None,
+           pending=(), next_batch=0, version=0, eval_s: float | None = None):
+    """Run a producer against a trainer loop with random delays; returns (consumed batches, producer)."""
+    rng = random.Random(seed)
+    engine = {"version": version, "loads": []}
+    lock = threading.Lock()
+
+    def make_batch(index, v):
+        assert v == engine["version"]
+        time.sleep(rng.uniform(0, gen_s))
+        return GeneratedBatch(index, v, [Rollout(index, index, 0, [1], [2], [0.0], None, 0.0, v)], 0.0, 1)
+
+    def load(weights):
+        with lock:
+            engine["version"] = weights["v"]
+            engine["loads"].append(weights["v"])
+
+    def evaluate(v):  # evaluations interleave with generation, as in the trainer
+        time.sleep(rng.uniform(0, gen_s) if eval_s is None else eval_s)
+        return (0.0, 0.0)
+
+    prod = RolloutProducer(make_batch=make_batch, load_weights=load, max_staleness=k, version=version,
+                           next_batch=next_batch, end_batch=steps, pending=list(pending), evaluate=evaluate,
+                           eval_every=2).start()
+    consumed = []
+    try:
+        for step in range(version, steps if stop_at is None else stop_at):
+            batch = prod.take(step)
+            consumed.append(batch)
+            time.sleep(rng.uniform(0, train_s))
+            prod.publish(step + 1, {"v": step + 1})
+    finally:
+        prod.stop()
+    return consumed, prod
+
+
+@pytest.mark.parametrize("k", [0, 1, 4])
+@pytest.mark.parametrize("fast", ["generation", "training"])
+def test_producer_bounds_staleness_and_drops_nothing(k, fast):
+    gen_s, train_s = (0.001, 0.01) if fast == "generation" else (0.01, 0.001)
+    consumed, prod = _drive(k, steps=40, gen_s=gen_s, train_s=train_s, seed=k)
+    assert [b.index for b in consumed] == list(range(40))
+    lags = [b.index - b.version for b in consumed]
+    assert all(0 <= lag <= k for lag in lags)
+    if fast == "generation":  # pacing lets the engine run ahead by exactly k, no more and no less
+        assert max(lags) == k
+    if k == 0:
+        assert lags == [0] * 40
+
+
+def test_producer_resumes_with_pending_batches():
+    # an interrupted run: stop after 10 steps, keep (next batch, pending), continue in a new producer
+    first, prod = _drive(3, steps=30, gen_s=0.001, train_s=0.01, stop_at=10)
+    next_batch, pending = prod.snapshot()
+    assert [b.index for b in pending] == list(range(10, next_batch))
+    rest, _ = _drive(3, steps=30, gen_s=0.001, train_s=0.01, pending=pending, next_batch=next_batch, version=10)
+    assert [b.index for b in first + rest] == list(range(30))
+    assert rest[:len(pending)] == pending  # the pending batches are consumed as they were, not regenerated
+    assert all(0 <= b.index - b.version <= 3 for b in rest)
+
+
+def test_producer_loads_weights_published_during_an_evaluation():
+    # resumed synchronous run: the engine evaluates its first version while the trainer consumes the pending
+    # batch and publishes new weights; the next batch must be generated with those, not the evaluated ones
+    pending = [GeneratedBatch(10, 10, [], 0.0, 0)]
+    rest, prod = _drive(0, steps=14, gen_s=0.001, train_s=0.0, pending=pending, next_batch=11, version=10,
+                        eval_s=0.05)
+    assert [(b.index, b.version) for b in rest] == [(j, j) for j in range(10, 14)]
+
+
+def test_producer_reports_its_failures_and_out_of_bounds_lag():
+    def broken(index, version):
+        raise OSError("engine died")
+
+    prod = RolloutProducer(make_batch=broken, load_weights=lambda w: None, max_staleness=1, version=0,
+                           next_batch=0, end_batch=3).start()
+    with pytest.raises(RuntimeError, match="rollout thread failed") as info:
+        prod.take(0)
+    assert isinstance(info.value.__cause__, OSError)
+    prod.stop()
+    stale = GeneratedBatch(5, 0, [], 0.0, 0)
+    prod = RolloutProducer(make_batch=broken, load_weights=lambda w: None, max_staleness=2, version=5,
+                           next_batch=6, end_batch=6, pending=[stale])
+    with pytest.raises(StalenessError, match="lag 5"):
+        prod.take(5)

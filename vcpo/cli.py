@@ -1,0 +1,108 @@
+"""The `vcpo` command: `vcpo train` (docs/trainer.md) and `vcpo plot`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import typing
+from dataclasses import fields
+
+from .config import VCPOConfig
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _value(text: str):
+    """A command-line value read as YAML: numbers, true/false, null, [a, b]; anything else stays a string."""
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+def _train_parser(sub) -> argparse.ArgumentParser:
+    from .trainer.config import TrainConfig
+
+    p = sub.add_parser("train", help="asynchronous VCPO training on vLLM rollouts",
+                       description="Train with asynchronous VCPO. With no arguments: the built-in tiny model on "
+                                   "the built-in addition task. Settings: docs/trainer.md.",
+                       argument_default=argparse.SUPPRESS)
+    p.add_argument("--config", help="a YAML/TOML/JSON file of settings (the command line overrides it)")
+    p.add_argument("--resume", metavar="RUN", help="continue the run in folder RUN from its last checkpoint")
+    p.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
+    hints = typing.get_type_hints(TrainConfig)
+    for f in fields(TrainConfig):
+        if f.name == "vcpo":
+            continue
+        if f.name in ("ess_scaling", "opob"):
+            p.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction)
+            continue
+        kind = typing.get_args(hints[f.name])[0] if typing.get_origin(hints[f.name]) is typing.Union \
+            else hints[f.name]
+        p.add_argument(_flag(f.name), type=kind if kind in (int, float) else str, metavar=f.name.upper())
+    g = p.add_argument_group("VCPO loss options (docs/contract.md; values read as YAML, e.g. 8, true, null)")
+    for f in fields(VCPOConfig):
+        g.add_argument(_flag(f.name), dest="vcpo." + f.name, type=_value, metavar="VALUE")
+    return p
+
+
+def _train(args: argparse.Namespace) -> int:
+    from .trainer.config import load_file, make_config
+    from .trainer.run import resume_config, train
+
+    given = vars(args).copy()
+    resume = given.pop("resume", None)
+    config_file = given.pop("config", None)
+    progress = not given.pop("no_progress", False)
+    given.pop("command")
+    settings = {k: v for k, v in given.items() if not k.startswith("vcpo.")}
+    vcpo_options = {k[len("vcpo."):]: v for k, v in given.items() if k.startswith("vcpo.")}
+    if vcpo_options:
+        settings["vcpo"] = vcpo_options
+    if resume is not None:
+        if config_file is not None:
+            raise ValueError("--resume continues a run with its own settings: drop --config")
+        cfg = resume_config(resume, **settings)
+    else:
+        cfg = make_config(load_file(config_file) if config_file else None, **settings)
+    summary = train(cfg, resume=resume is not None, progress=progress)
+    final = summary["final_eval"]
+    print(f"run folder: {summary['run_dir']}  steps: {summary['steps']}  wall: {summary['wall_seconds']:.0f} s"
+          + (f"  held-out accuracy: {final['accuracy']:.3f}" if final else ""))
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    import os
+
+    from .trainer.plot import plot_runs, read_metrics
+
+    runs = {}
+    for spec in args.runs:
+        label, _, folder = spec.rpartition("=")
+        runs[label or os.path.basename(os.path.normpath(folder))] = read_metrics(folder)
+        if not runs[label or os.path.basename(os.path.normpath(folder))]:
+            raise ValueError(f"{folder!r} has no metrics.jsonl")
+    plot_runs(runs, args.output)
+    print(args.output)
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="vcpo", description="Variance-controlled off-policy RL for LLMs")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _train_parser(sub)
+    plot = sub.add_parser("plot", help="one figure comparing the curves of several runs")
+    plot.add_argument("runs", nargs="+", metavar="[LABEL=]RUN")
+    plot.add_argument("-o", "--output", default="compare.png")
+    args = parser.parse_args(argv)
+    try:
+        return _train(args) if args.command == "train" else _plot(args)
+    except ValueError as e:
+        print(f"vcpo {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

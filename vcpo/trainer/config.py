@@ -1,0 +1,201 @@
+"""TrainConfig: every setting of `vcpo train`, from defaults, a YAML/TOML file and the command line, with the
+update rule given as a preset (`loss`) plus VCPO loss options (docs/trainer.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
+
+from vcpo.config import VCPOConfig
+
+# The update rules offered for comparison; each is a VCPOConfig (docs/trainer.md, "Update rules").
+LOSS_PRESETS: dict[str, dict[str, Any]] = {
+    # sequence-level truncated IS (C = 8), OPOB with exact per-sequence norms, ESS-scaled lr
+    "vcpo": {},
+    # no importance correction at all: the behaviour policy's samples are treated as on-policy
+    "grpo": {"is_correction": "none", "advantage": "grpo", "lr_rule": None, "grad_norms": "uniform"},
+    "seq-tis": {"is_level": "sequence", "is_correction": "truncate", "advantage": "grpo", "lr_rule": None,
+                "grad_norms": "uniform"},
+    "token-tis": {"is_level": "token", "is_correction": "truncate", "advantage": "grpo", "lr_rule": None,
+                  "grad_norms": "uniform"},
+    # masked IS: sequences whose weight leaves [1/C, C] get no gradient
+    "mis": {"is_level": "sequence", "is_correction": "mask", "advantage": "grpo", "lr_rule": None,
+            "grad_norms": "uniform"},
+    # PPO clipping of pi/mu (the proximal policy is the behaviour policy), no further correction
+    "ppo": {"is_correction": "none", "advantage": "grpo", "lr_rule": None, "grad_norms": "uniform",
+            "clip_ratio": (0.2, 0.28)},
+}
+ENGINE_MODES = ("process", "inprocess")
+
+
+@dataclass
+class TrainConfig:
+    # what to train on; None = the embedded default (tiny Llama, addition task)
+    model: Optional[str] = None
+    data: Optional[str] = None
+    reward: Optional[str] = None  # "module:function", called as fn(response, answer) -> float
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    eval_size: int = 128  # prompts held out of the data for the greedy evaluation
+    warm_start_steps: int = 220  # built-in model only: supervised steps before RL (cached)
+    # the run
+    output_dir: Optional[str] = None  # default runs/vcpo-<date>-<time>
+    steps: int = 1500
+    prompts_per_step: int = 16
+    responses_per_prompt: int = 8
+    max_new_tokens: Optional[int] = None  # default 8 on the built-in task, 512 otherwise
+    max_staleness: int = 4
+    seed: int = 0
+    # the update
+    loss: str = "vcpo"
+    ess_scaling: Optional[bool] = None  # override the preset: ESS-scaled lr (sqrt rule) on or off
+    opob: Optional[bool] = None  # override the preset: OPOB with exact norms, or the group mean
+    vcpo: dict = field(default_factory=dict)  # any VCPOConfig field, applied last
+    lr: Optional[float] = None  # default 3e-4 on the tiny model, 1e-6 otherwise
+    weight_decay: float = 0.0
+    # bookkeeping
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
+    eval_every: int = 20
+    # the engine
+    engine: str = "process"
+    engine_cores: Optional[str] = None  # CPU: vLLM's worker cores, e.g. "1"; default: the last core
+    trainer_cores: Optional[str] = None  # CPU: the trainer's cores, e.g. "0"; default: all but the engine's
+    kv_cache_gib: float = 1.0
+    dtype: str = "float32"
+    max_model_len: Optional[int] = None
+    gpu_memory_utilization: float = 0.3
+
+    @property
+    def builtin(self) -> bool:
+        return self.model is None
+
+    def resolved_max_new_tokens(self) -> int:
+        return self.max_new_tokens if self.max_new_tokens is not None else (8 if self.data is None else 512)
+
+    def resolved_lr(self) -> float:
+        return self.lr if self.lr is not None else (3e-4 if self.builtin else 1e-6)
+
+    def vcpo_config(self) -> VCPOConfig:
+        options = dict(LOSS_PRESETS[self.loss])
+        if self.ess_scaling is not None:
+            options["lr_rule"] = "sqrt" if self.ess_scaling else None
+        if self.opob is not None:
+            options.update({"advantage": "opob", "grad_norms": "exact"} if self.opob
+                           else {"advantage": "grpo", "grad_norms": "uniform"})
+        options.update(self.vcpo)
+        try:
+            return VCPOConfig(**options)
+        except TypeError as e:  # an unknown field name
+            raise ValueError(f"vcpo: {e}") from None
+
+    def validate(self) -> "TrainConfig":
+        def positive_int(name: str, minimum: int = 1) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+                raise ValueError(f"{name} must be an integer >= {minimum}, got {v!r}")
+
+        def positive_float(name: str, allow_zero: bool = False) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or \
+                    v < 0 or (v == 0 and not allow_zero):
+                raise ValueError(f"{name} must be a finite number {'>=' if allow_zero else '>'} 0, got {v!r}")
+
+        for name in ("steps", "prompts_per_step", "responses_per_prompt", "checkpoint_every", "keep_checkpoints"):
+            positive_int(name)
+        for name in ("max_staleness", "eval_every", "eval_size", "seed", "warm_start_steps"):
+            positive_int(name, 0)
+        if self.max_new_tokens is not None:
+            positive_int("max_new_tokens")
+        if self.max_model_len is not None:
+            positive_int("max_model_len")
+        positive_float("weight_decay", allow_zero=True)
+        positive_float("kv_cache_gib")
+        positive_float("gpu_memory_utilization")
+        if self.lr is not None:
+            positive_float("lr")
+        if self.loss not in LOSS_PRESETS:
+            raise ValueError(f"loss must be one of {list(LOSS_PRESETS)}, got {self.loss!r}")
+        if self.engine not in ENGINE_MODES:
+            raise ValueError(f"engine must be one of {list(ENGINE_MODES)}, got {self.engine!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        for name in ("ess_scaling", "opob"):
+            if getattr(self, name) not in (None, True, False):
+                raise ValueError(f"{name} must be true, false or unset, got {getattr(self, name)!r}")
+        if not isinstance(self.vcpo, dict):
+            raise ValueError(f"vcpo must be a mapping of VCPO loss options, got {self.vcpo!r}")
+        if self.model is not None and not os.path.isdir(self.model):
+            raise ValueError(f"model must be a local Hugging Face model folder, got {self.model!r}")
+        if self.model is None and self.data is not None:
+            raise ValueError("data needs model: the built-in tiny model only knows the built-in addition task")
+        for name in ("engine_cores", "trainer_cores"):
+            v = getattr(self, name)
+            if v is not None:
+                parse_cores(v, name)
+        self.vcpo_config()
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def parse_cores(spec: str, name: str = "cores") -> list[int]:
+    """"0,2-3" -> [0, 2, 3]; every core must be one this process may run on."""
+    cores: list[int] = []
+    try:
+        for part in str(spec).split(","):
+            lo, _, hi = part.strip().partition("-")
+            cores.extend(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise ValueError(f"{name} must be a core list like '0' or '0,2-3', got {spec!r}") from None
+    allowed = os.sched_getaffinity(0)
+    if not cores or any(c not in allowed for c in cores):
+        raise ValueError(f"{name} {spec!r} names cores outside this process's {sorted(allowed)}")
+    return cores
+
+
+FIELD_NAMES = {f.name for f in fields(TrainConfig)}
+
+
+def load_file(path: str) -> dict:
+    """A YAML (.yaml/.yml), TOML (.toml) or JSON file of TrainConfig fields; VCPO options under `vcpo`."""
+    if not os.path.isfile(path):
+        raise ValueError(f"config: no such file {path!r}")
+    with open(path, "rb") as f:
+        if path.endswith((".yaml", ".yml")):
+            import yaml
+
+            data = yaml.safe_load(f) or {}
+        elif path.endswith(".toml"):
+            import tomllib
+
+            data = tomllib.load(f)
+        elif path.endswith(".json"):
+            data = json.load(f)
+        else:
+            raise ValueError(f"config must be a .yaml, .yml, .toml or .json file, got {path!r}")
+    if not isinstance(data, dict):
+        raise ValueError(f"config: {path} must hold a mapping of settings")
+    unknown = set(data) - FIELD_NAMES
+    if unknown:
+        raise ValueError(f"config: unknown settings {sorted(unknown)} in {path}")
+    return data
+
+
+def make_config(base: Optional[dict] = None, **overrides) -> TrainConfig:
+    """TrainConfig from a mapping (a file, a resumed run's config) and overrides; `vcpo` mappings merge."""
+    data = dict(base or {})
+    for key, value in overrides.items():
+        if key == "vcpo":
+            data["vcpo"] = {**data.get("vcpo", {}), **value}
+        else:
+            data[key] = value
+    unknown = set(data) - FIELD_NAMES
+    if unknown:
+        raise ValueError(f"unknown settings {sorted(unknown)}")
+    return TrainConfig(**data).validate()

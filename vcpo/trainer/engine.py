@@ -1,0 +1,116 @@
+"""The rollout engine: a real vLLM `LLM`, generating n responses per prompt with the sampled tokens' log-probs
+(the behaviour log-probs of the loss), and taking new weights while it runs.
+
+Two modes:
+- "process": vLLM's engine core runs in its own processes, bound to `engine_cores` on a CPU machine; new
+  weights travel through a safetensors file that the engine reloads from disk.
+- "inprocess": the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0); new weights are handed over
+  as tensors. It starts in seconds (the tests use it) but shares this process's cores with the trainer."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+ENGINE_MODES = ("process", "inprocess")
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]  # log mu(token) under the engine's weights, one per token
+    finish_reason: Optional[str]
+
+
+def _set_engine_env(mode: str, kv_cache_gib: float, engine_cores: Optional[str]) -> None:
+    # vLLM reads these when the engine starts; VLLM_CPU_KVCACHE_SPACE otherwise reserves most of the RAM.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if mode == "process" else "0"
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(round(kv_cache_gib))))
+    if engine_cores is not None and mode == "process":
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = engine_cores
+    # vLLM warns at every weight reload that the rotary embedding's cache is not in the checkpoint (it is not
+    # a weight); keep its errors, set VLLM_LOGGING_LEVEL to see more
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+
+def unique_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state dict without the second name of a shared tensor (a tied LM head): safetensors refuses shared
+    storage, and vLLM ties the head itself."""
+    seen, out = set(), {}
+    for name, t in state.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if key not in seen:
+            seen.add(key)
+            out[name] = t
+    return out
+
+
+class RolloutEngine:
+    def __init__(self, model_path: str, *, mode: str = "process", dtype: str = "float32",
+                 max_model_len: int = 2048, kv_cache_gib: float = 1.0, seed: int = 0,
+                 engine_cores: Optional[str] = None, sync_dir: Optional[str] = None,
+                 gpu_memory_utilization: float = 0.5) -> None:
+        if mode not in ENGINE_MODES:
+            raise ValueError(f"engine must be one of {list(ENGINE_MODES)}, got {mode!r}")
+        if mode == "process" and sync_dir is None:
+            raise ValueError("engine='process' needs a sync_dir for the weight files")
+        self.mode, self.sync_dir = mode, sync_dir
+        _set_engine_env(mode, kv_cache_gib, engine_cores)
+        from vllm import LLM
+
+        # prefix caching off: cached prompt KV computed with old weights would outlive a weight sync
+        self.llm = LLM(model=model_path, dtype=dtype, enforce_eager=True, max_model_len=max_model_len, seed=seed,
+                       gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=False,
+                       use_tqdm_on_load=False)
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, n: int, max_tokens: int, temperature: float,
+                 seeds: Optional[Sequence[int]] = None, stop_token_ids: Sequence[int] = ()) -> list[list[Completion]]:
+        """n completions of each prompt (token ids). `seeds[i]` makes prompt i's completions reproducible
+        (vLLM seeds its j-th completion with seeds[i] + j). temperature 0 is greedy."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = [SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0,
+                                 seed=None if seeds is None else int(seeds[i]),
+                                 stop_token_ids=list(stop_token_ids), detokenize=False)
+                  for i in range(len(prompts))]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        result = []
+        for out in outs:
+            completions = []
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                ids = list(c.token_ids)
+                # logprobs=0 returns the sampled token's own entry at each position
+                lps = [float(pos[tok].logprob) for pos, tok in zip(c.logprobs, ids)]
+                completions.append(Completion(ids, lps, c.finish_reason))
+            result.append(completions)
+        return result
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Replace the engine's weights by `state` (Hugging Face parameter names, CPU tensors not modified
+        while this runs)."""
+        state = unique_tensors(state)
+        if self.mode == "inprocess":
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state.items())})
+            return
+        from safetensors.torch import save_file
+
+        os.makedirs(self.sync_dir, exist_ok=True)
+        tmp = os.path.join(self.sync_dir, "model.safetensors.tmp")
+        save_file({k: v.contiguous() for k, v in state.items()}, tmp)
+        os.replace(tmp, os.path.join(self.sync_dir, "model.safetensors"))
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": self.sync_dir})
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            engine = getattr(llm, "llm_engine", None)
+            shutdown = getattr(engine, "shutdown", None) or getattr(getattr(engine, "engine_core", None),
+                                                                      "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+            del llm

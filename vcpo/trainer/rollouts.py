@@ -1,0 +1,211 @@
+"""Asynchronous rollouts with bounded staleness.
+
+Policy version v = number of optimizer steps taken. Step j consumes rollout batch j and produces version j+1.
+Batch j may start generating only once the trainer has reached version j - k (k = max_staleness): admission is
+paced, nothing is dropped, and every rollout of batch j carries the engine version v_gen it was sampled with,
+so its lag j - v_gen lies in [0, k]. A batch is generated with one set of weights (weights are swapped
+between batches), so each rollout has a single version. k = 0 is synchronous on-policy training."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+
+@dataclass
+class Rollout:
+    batch: int  # the step that consumes it
+    prompt_index: int  # index into the training problems
+    response_index: int  # 0..n-1 within its prompt group
+    prompt_ids: list[int]
+    response_ids: list[int]
+    behavior_logp: list[float]
+    finish_reason: Optional[str]
+    reward: float
+    version: int  # policy version of the engine's weights when sampled
+
+    @property
+    def uid(self) -> tuple[int, int, int]:
+        return (self.batch, self.prompt_index, self.response_index)
+
+
+@dataclass
+class GeneratedBatch:
+    index: int
+    version: int
+    rollouts: list[Rollout]
+    generate_seconds: float
+    num_prompts: int
+
+    def to_state(self) -> dict:
+        return {"index": self.index, "version": self.version, "generate_seconds": self.generate_seconds,
+                "num_prompts": self.num_prompts, "rollouts": [asdict(r) for r in self.rollouts]}
+
+    @classmethod
+    def from_state(cls, s: dict) -> "GeneratedBatch":
+        return cls(s["index"], s["version"], [Rollout(**r) for r in s["rollouts"]], s["generate_seconds"],
+                   s["num_prompts"])
+
+
+@dataclass
+class EngineStats:
+    """Accumulated by the producer thread, read by the trainer for metrics."""
+
+    generate_seconds: float = 0.0
+    sync_seconds: float = 0.0
+    syncs: int = 0
+    generated_tokens: int = 0
+    eval_results: list = field(default_factory=list)  # (version, accuracy, mean reward)
+
+
+class StalenessError(RuntimeError):
+    pass
+
+
+class RolloutProducer:
+    """Runs the engine in a background thread: loads the newest published weights whenever it is between
+    batches, generates batch j once its weights are at least version j - k, and appends it to `pending`."""
+
+    def __init__(self, *, make_batch: Callable[[int, int], GeneratedBatch], load_weights: Callable[[dict], None],
+                 max_staleness: int, version: int, next_batch: int, end_batch: int,
+                 pending: list[GeneratedBatch] = (), evaluate: Optional[Callable[[int], tuple]] = None,
+                 eval_every: int = 0) -> None:
+        self.make_batch, self.load_weights, self.k = make_batch, load_weights, max_staleness
+        self.evaluate, self.eval_every = evaluate, eval_every
+        self.version = version  # the trainer's latest published version
+        self.engine_version = version  # the engine starts from the trainer's weights
+        self.next_batch, self.end_batch = next_batch, end_batch
+        self.pending: deque[GeneratedBatch] = deque(pending)
+        self.stats = EngineStats()
+        self._weights: Optional[dict] = None
+        self._cond = threading.Condition()
+        self._stop = False
+        self.error: Optional[BaseException] = None
+        self._last_eval: Optional[int] = None
+        self._thread = threading.Thread(target=self._run, name="vcpo-rollouts", daemon=True)
+
+    def start(self) -> "RolloutProducer":
+        self._thread.start()
+        return self
+
+    # -- trainer side ---------------------------------------------------------------------------------------
+    def publish(self, version: int, weights: dict) -> None:
+        """The trainer's weights after its `version`-th step (tensors the trainer will not modify)."""
+        with self._cond:
+            self.version, self._weights = version, weights
+            self._cond.notify_all()
+
+    def take(self, index: int, should_stop: Callable[[], bool] = lambda: False) -> Optional[GeneratedBatch]:
+        """Block until batch `index` is generated; None if should_stop() turns true first."""
+        with self._cond:
+            while not (self.pending and self.pending[0].index == index):
+                if self.error is not None:
+                    raise RuntimeError("the rollout thread failed") from self.error
+                if self.pending and self.pending[0].index != index:
+                    raise RuntimeError(f"rollout batches out of order: expected {index}, "
+                                       f"got {self.pending[0].index}")
+                if should_stop():
+                    return None
+                self._cond.wait(timeout=0.2)
+            batch = self.pending.popleft()
+            self._cond.notify_all()
+        lag = index - batch.version
+        if not 0 <= lag <= self.k:
+            raise StalenessError(f"batch {index} was generated at version {batch.version}: lag {lag} outside "
+                                 f"[0, {self.k}]")
+        return batch
+
+    def snapshot(self) -> tuple[int, list[GeneratedBatch]]:
+        """(next batch to generate, generated batches not yet consumed): what a checkpoint must keep. A batch
+        being generated now is not in it; it is generated again after a resume."""
+        with self._cond:
+            return self.next_batch, list(self.pending)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def sync_and_evaluate(self) -> Optional[tuple]:
+        """After stop(): load the last published weights and evaluate them (the final evaluation)."""
+        self._sync(self._weights, self.version)
+        if self.evaluate is None:
+            return None
+        result = (self.engine_version,) + tuple(self.evaluate(self.engine_version))
+        self.stats.eval_results.append(result)
+        return result
+
+    # -- producer thread ------------------------------------------------------------------------------------
+    def _admissible(self) -> bool:
+        """Batch next_batch may be generated with the engine's current weights."""
+        return self.next_batch < self.end_batch and self.engine_version >= self.next_batch - self.k
+
+    def _eval_due(self) -> bool:
+        return (self.evaluate is not None and self.eval_every > 0
+                and (self._last_eval is None or self.engine_version >= self._last_eval + self.eval_every))
+
+    def _sync(self, weights: Optional[dict], version: int) -> None:
+        if weights is None or version == self.engine_version:
+            return
+        t0 = time.perf_counter()
+        self.load_weights(weights)
+        self.stats.sync_seconds += time.perf_counter() - t0
+        self.stats.syncs += 1
+        self.engine_version = version
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (self._stop or self._weights is not None or self._admissible() or self._eval_due()):
+                        self._cond.wait()
+                    if self._stop:
+                        return
+                    weights, version, self._weights = self._weights, self.version, None
+                self._sync(weights, version)  # new weights go in as soon as the engine is between batches
+                if self._eval_due():
+                    self._last_eval = self.engine_version
+                    self.stats.eval_results.append((self.engine_version,) + tuple(self.evaluate(self.engine_version)))
+                with self._cond:
+                    if self._stop:
+                        return
+                    if self._weights is not None or not self._admissible():
+                        continue  # weights published meanwhile (say, during an evaluation) go in first
+                    index = self.next_batch
+                t0 = time.perf_counter()
+                batch = self.make_batch(index, self.engine_version)
+                self.stats.generate_seconds += time.perf_counter() - t0
+                self.stats.generated_tokens += sum(len(r.response_ids) for r in batch.rollouts)
+                with self._cond:
+                    self.pending.append(batch)
+                    self.next_batch = index + 1
+                    self._cond.notify_all()
+        except BaseException as e:  # surfaced to the trainer by take()
+            with self._cond:
+                self.error = e
+                self._cond.notify_all()
+
+
+def pad_rollouts(rollouts: list[Rollout], pad_id: int):
+    """Right-padded [B, T] tensors for vcpo.step: input ids, attention mask, loss mask (response tokens) and
+    behaviour log-probs aligned with the tokens."""
+    width = max(len(r.prompt_ids) + len(r.response_ids) for r in rollouts)
+    b = len(rollouts)
+    ids = torch.full((b, width), pad_id, dtype=torch.long)
+    attn = torch.zeros((b, width), dtype=torch.long)
+    loss_mask = torch.zeros((b, width), dtype=torch.long)
+    mu = torch.zeros((b, width), dtype=torch.float32)
+    for i, r in enumerate(rollouts):
+        p, n = len(r.prompt_ids), len(r.response_ids)
+        ids[i, :p + n] = torch.tensor(r.prompt_ids + r.response_ids)
+        attn[i, :p + n] = 1
+        loss_mask[i, p:p + n] = 1
+        mu[i, p:p + n] = torch.tensor(r.behavior_logp, dtype=torch.float32)
+    return ids, attn, loss_mask, mu
