@@ -108,6 +108,9 @@ def test_step_matches_hand_assembled_update(case, monkeypatch):
         assert metrics["grad_norm"] == pytest.approx(total, rel=1e-6)
         assert metrics["lr_scale"] == pytest.approx(out.lr_scale.item(), rel=1e-6)
         assert metrics["loss"] == pytest.approx(out.loss.item(), rel=1e-6, abs=1e-12)
+        assert metrics["baseline_mean"] == pytest.approx(out.baseline.mean().item(), rel=1e-6, abs=1e-12)
+        valid = (batch.loss_mask[:, 1:] != 0).any(1)
+        assert metrics["advantage_abs_mean"] == pytest.approx(out.advantages[valid].abs().mean().item(), rel=1e-6)
     assert 0 < metrics["lr_scale"] < 1  # off-policy batch: the step is scaled down
     assert opt.param_groups[0]["lr"] == 1e-2  # restored after the step
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):

@@ -156,12 +156,16 @@ SYNC_CHECK = textwrap.dedent("""
     prompt = [tiny.BOS] + tok.encode("12+34=")
 
     def gap():
-        c = engine.generate([prompt], n=1, max_tokens=12, temperature=1.0, seeds=[7])[0][0]
-        ids = torch.tensor([prompt + c.token_ids])
-        with torch.no_grad():
-            lp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
-        mine = lp.gather(-1, ids[0, 1:, None])[len(prompt) - 1:, 0]
-        return (mine - torch.tensor(c.logprobs)).abs().max().item(), len(c.token_ids)
+        # largest |engine - trainer| log-prob over the tokens of 4 sampled continuations, and their count
+        worst, count = 0.0, 0
+        for c in engine.generate([prompt], n=4, max_tokens=12, temperature=1.0, seeds=[7])[0]:
+            ids = torch.tensor([prompt + c.token_ids])
+            with torch.no_grad():
+                lp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+            mine = lp.gather(-1, ids[0, 1:, None])[len(prompt) - 1:, 0]
+            worst = max(worst, (mine - torch.tensor(c.logprobs)).abs().max().item())
+            count += len(c.token_ids)
+        return worst, count
 
     before, _ = gap()
     with torch.no_grad():
@@ -177,14 +181,14 @@ SYNC_CHECK = textwrap.dedent("""
 
 @pytest.mark.parametrize("mode", ["inprocess", "process"])
 def test_weight_sync_gives_the_trainers_logprobs(env, tmp_path, mode):
-    code = f"if __name__ == '__main__':\n" + textwrap.indent(SYNC_CHECK, "    ")
+    code = "if __name__ == '__main__':\n" + textwrap.indent(SYNC_CHECK, "    ")
     script = tmp_path / "sync_check.py"
     script.write_text(code)
     proc = subprocess.run([sys.executable, str(script), str(tmp_path / "model"), mode], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["tokens"] == 12
+    assert result["tokens"] >= 8  # a random model may end a continuation early, not all four
     assert result["before"] < 1e-4  # the engine loaded the trainer's weights
     assert result["stale"] > 1e-2  # the trainer moved: the engine's log-probs are now off...
     assert result["synced"] < 1e-4  # ...until the sync, after which they agree again (fp32)

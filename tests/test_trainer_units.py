@@ -7,9 +7,8 @@ import threading
 import time
 
 import pytest
-import torch
 
-from vcpo.trainer import LOSS_PRESETS, TrainConfig, load_file, make_config
+from vcpo.trainer import LOSS_PRESETS, load_file, make_config
 from vcpo.trainer.rollouts import GeneratedBatch, Rollout, RolloutProducer, StalenessError, pad_rollouts
 from vcpo.trainer.task import (PromptStream, addition_problems, exact_match, load_problems, resolve_reward,
                                split_problems)

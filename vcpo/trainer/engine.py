@@ -10,7 +10,6 @@ Two modes:
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 

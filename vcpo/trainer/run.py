@@ -160,7 +160,7 @@ def resume_config(run_dir: str, **overrides) -> TrainConfig:
 
 
 def train(cfg: TrainConfig, *, resume: bool = False, log: Callable[[str], None] = print,
-          on_step: Optional[Callable[[dict], None]] = None, progress: bool = True) -> dict:
+          progress: bool = True) -> dict:
     """Run (or, with resume=True and cfg from resume_config, continue) a training run. Returns the summary."""
     cfg.validate()
     run_dir = cfg.output_dir or os.path.join("runs", time.strftime("vcpo-%Y%m%d-%H%M%S"))
@@ -188,36 +188,21 @@ def train(cfg: TrainConfig, *, resume: bool = False, log: Callable[[str], None] 
     tokenizer = AutoTokenizer.from_pretrained(start_model)
     stop_ids = _stop_ids(tokenizer, start_model)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop_ids or [0])[0]
-    train_prompts = {}  # prompt index -> token ids, filled lazily
-
-    def prompt_ids(i: int) -> list[int]:
-        if i not in train_prompts:
-            train_prompts[i] = _prompt_ids(tokenizer, problems.train[i].prompt, cfg.builtin)
-        return train_prompts[i]
-
+    train_prompts = [_prompt_ids(tokenizer, p.prompt, cfg.builtin) for p in problems.train]
+    eval_prompts = [_prompt_ids(tokenizer, p.prompt, cfg.builtin) for p in problems.eval]
     max_new = cfg.resolved_max_new_tokens()
     model = AutoModelForCausalLM.from_pretrained(start_model, dtype=torch.float32)
-    max_len = cfg.max_model_len or min(getattr(model.config, "max_position_embeddings", 4096),
-                                       max(len(_prompt_ids(tokenizer, p.prompt, cfg.builtin))
-                                           for p in problems.train[:1000] + problems.eval) + max_new)
+    longest = max(map(len, train_prompts + eval_prompts))
+    max_len = cfg.max_model_len or min(getattr(model.config, "max_position_embeddings", 1 << 30), longest + max_new)
+    if longest >= max_len:
+        raise ValueError(f"max_model_len ({max_len}) leaves no room for new tokens after the longest prompt "
+                         f"({longest} tokens); shorten the prompts or raise max_model_len")
     resolved = {"settings": cfg.to_dict(), "model_dir": problems.model_dir, "lr": cfg.resolved_lr(),
                 "max_new_tokens": max_new, "max_model_len": max_len, "vcpo": vcfg.__dict__,
                 "stop_token_ids": stop_ids}
     if not resume:
         json.dump(resolved, open(os.path.join(run_dir, "config.json"), "w"), indent=2, default=str)
 
-    engine_cores, trainer_cores = _core_plan(cfg)
-    engine_started = time.perf_counter()
-    engine = RolloutEngine(start_model, mode=cfg.engine, dtype=cfg.dtype, max_model_len=max_len,
-                           kv_cache_gib=cfg.kv_cache_gib, seed=cfg.seed,
-                           engine_cores=None if engine_cores is None else ",".join(map(str, engine_cores)),
-                           sync_dir=os.path.join(run_dir, ".weights"),
-                           gpu_memory_utilization=cfg.gpu_memory_utilization)
-    if engine_cores is not None:
-        _pin_processes(engine_cores, trainer_cores)
-        torch.set_num_threads(len(trainer_cores))
-    log(f"engine ({cfg.engine}) started in {time.perf_counter() - engine_started:.1f} s"
-        + (f"; cores: engine {engine_cores}, trainer {trainer_cores}" if engine_cores else ""))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.resolved_lr(), weight_decay=cfg.weight_decay)
@@ -229,18 +214,16 @@ def train(cfg: TrainConfig, *, resume: bool = False, log: Callable[[str], None] 
         idx = stream.batch(index, P)
         t0 = time.perf_counter()
         # temperature 1: the engine's log-probs are then those of the distribution the trainer differentiates
-        outs = engine.generate([prompt_ids(i) for i in idx], n=n, max_tokens=max_new, temperature=1.0,
+        outs = engine.generate([train_prompts[i] for i in idx], n=n, max_tokens=max_new, temperature=1.0,
                                seeds=[_request_seed(cfg.seed, index, pos) for pos in range(P)],
                                stop_token_ids=stop_ids)
         rollouts = []
         for i, completions in zip(idx, outs):
             for r, c in enumerate(completions):
                 text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
-                rollouts.append(Rollout(index, i, r, prompt_ids(i), c.token_ids, c.logprobs, c.finish_reason,
+                rollouts.append(Rollout(index, i, r, train_prompts[i], c.token_ids, c.logprobs, c.finish_reason,
                                         float(reward_fn(text, problems.train[i].answer)), version))
         return GeneratedBatch(index, version, rollouts, time.perf_counter() - t0, P)
-
-    eval_prompts = [_prompt_ids(tokenizer, p.prompt, cfg.builtin) for p in problems.eval]
 
     def evaluate(version: int) -> tuple[float, float]:
         """Greedy accuracy (exact match with the answer) and mean reward on the held-out prompts."""
@@ -266,12 +249,12 @@ def train(cfg: TrainConfig, *, resume: bool = False, log: Callable[[str], None] 
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
 
-    producer = RolloutProducer(make_batch=make_batch, load_weights=engine.load_weights, max_staleness=cfg.max_staleness,
-                               version=step0, next_batch=next_batch, end_batch=cfg.steps, pending=pending,
+    producer = RolloutProducer(make_batch=make_batch, load_weights=lambda weights: engine.load_weights(weights),
+                               max_staleness=cfg.max_staleness, version=step0, next_batch=next_batch,
+                               end_batch=cfg.steps, pending=pending,
                                evaluate=evaluate if problems.eval else None, eval_every=cfg.eval_every)
     metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
     rollouts_file = open(os.path.join(run_dir, "rollouts.jsonl"), "a")
-    t_start = time.perf_counter() - elapsed0
     bar = None
     if progress:
         from tqdm import tqdm
@@ -280,7 +263,6 @@ def train(cfg: TrainConfig, *, resume: bool = False, log: Callable[[str], None] 
         log = bar.write
     step = step0
     interrupted = False
-    last = {"time": time.perf_counter(), "tokens": 0}
     evals_seen = 0
 
     def save_checkpoint() -> None:
@@ -306,7 +288,22 @@ def train(cfg: TrainConfig, *, resume: bool = False, log: Callable[[str], None] 
         rollouts_file.flush()
         plot_run(run_dir)
 
+    engine_cores, trainer_cores = _core_plan(cfg)
+    engine_started = time.perf_counter()
+    engine = RolloutEngine(start_model, mode=cfg.engine, dtype=cfg.dtype, max_model_len=max_len,
+                           kv_cache_gib=cfg.kv_cache_gib, seed=cfg.seed,
+                           engine_cores=None if engine_cores is None else ",".join(map(str, engine_cores)),
+                           sync_dir=os.path.join(run_dir, ".weights"),
+                           gpu_memory_utilization=cfg.gpu_memory_utilization)
     try:
+        if engine_cores is not None:
+            _pin_processes(engine_cores, trainer_cores)
+            torch.set_num_threads(len(trainer_cores))
+        engine_seconds = time.perf_counter() - engine_started
+        log(f"engine ({cfg.engine}) started in {engine_seconds:.1f} s"
+            + (f"; cores: engine {engine_cores}, trainer {trainer_cores}" if engine_cores else ""))
+        t_start = time.perf_counter() - elapsed0  # wall clock of the training, engine start excluded
+        last = {"time": time.perf_counter(), "tokens": 0}
         producer.start()
         with _Interrupt() as interrupt:
             while step < cfg.steps and not interrupt.requested:
@@ -360,13 +357,12 @@ def train(cfg: TrainConfig, *, resume: bool = False, log: Callable[[str], None] 
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(reward=f"{row['reward']:.3f}", ess=f"{row['ess_ratio']:.2f}", lag=lag,
-                                    acc=f"{row.get('eval_accuracy', float('nan')):.2f}" if "eval_accuracy" in row
-                                    else None, refresh=False)
-                if on_step is not None:
-                    on_step(row)
+                                    heldout_acc=f"{stats.eval_results[-1][1]:.2f}" if stats.eval_results else "-",
+                                    refresh=False)
                 if step % cfg.checkpoint_every == 0 and step < cfg.steps:
                     save_checkpoint()
             interrupted = interrupt.requested and step < cfg.steps
+        wall = time.perf_counter() - t_start
         producer.stop()
         final_eval = None
         if not interrupted and problems.eval:
@@ -380,8 +376,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, log: Callable[[str], None] 
         rollouts_file.close()
         engine.close()
     stats = producer.stats
-    wall = time.perf_counter() - t_start
     summary = {"run_dir": run_dir, "steps": step, "interrupted": interrupted, "wall_seconds": wall,
+               "engine_start_seconds": engine_seconds,
                "lag_histogram": {str(k): v for k, v in sorted(lag_hist.items())},
                "generate_seconds": stats.generate_seconds, "sync_seconds": stats.sync_seconds,
                "syncs": stats.syncs, "mean_sync_seconds": stats.sync_seconds / max(stats.syncs, 1),
