@@ -191,3 +191,82 @@ def policy_loss(
     loss, scalars, baseline, adv, s = impl.policy_loss(tokens, seq, opts, norm_length)
     stats = dict(zip(SCALAR_FIELDS, scalars.unbind(0)))
     return PolicyLossResult(loss=loss, baseline=baseline, advantages=adv, seq_log_weight=s, **stats)
+
+
+@dataclass
+class LinearLogprobs:
+    logp: Tensor  # [N] log p(target), fp32 (fp64 for fp64 inputs); 0 where the target is ignored
+    entropy: Optional[Tensor]  # [N] with return_entropy
+    sum_p2: Optional[Tensor]  # [N] sum_v p_v^2, with return_sum_p2
+
+
+def linear_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    bias: Optional[Tensor] = None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    return_entropy: bool = False,
+    return_sum_p2: bool = False,
+    cu_seqlens: Optional[Tensor] = None,
+    seq_grad_sq_norm: Optional[Tensor] = None,
+    chunk_size: Optional[int] = None,
+    validate: bool = True,
+    backend: str = "auto",
+) -> LinearLogprobs:
+    """log softmax((hidden @ weight.T + bias) / temperature)[targets] per token, without materialising the
+    N x V logits (chunks of `chunk_size` tokens; default: about 64M logits a chunk). Autograd to hidden,
+    weight and bias from any upstream gradient of every output. `seq_grad_sq_norm` ([B], with `cu_seqlens`):
+    the backward adds each sequence's squared norm of the weight (and bias) gradient to it."""
+    hidden = _require_tensor("hidden", hidden)
+    weight = _require_tensor("weight", weight)
+    targets = _require_tensor("targets", targets)
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden must be [N, H] and weight [V, H], got {tuple(hidden.shape)} and "
+                         f"{tuple(weight.shape)}")
+    n, v = hidden.shape[0], weight.shape[0]
+    if targets.shape != (n,) or targets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"targets must be an int tensor of shape [N] = [{n}], got {targets.dtype} "
+                         f"{tuple(targets.shape)}")
+    for name, t in (("hidden", hidden), ("weight", weight), ("bias", bias)):
+        if t is not None and not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if bias is not None and bias.shape != (v,):
+        raise ValueError(f"bias must have shape [V] = [{v}], got {tuple(bias.shape)}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not \
+            (0 < temperature < float("inf")):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if chunk_size is None:
+        chunk_size = max(1, (64 << 20) // max(v, 1))
+    elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
+    if seq_grad_sq_norm is not None:
+        if cu_seqlens is None:
+            raise ValueError("seq_grad_sq_norm needs cu_seqlens (the sequence boundaries)")
+        cu_seqlens = _require_tensor("cu_seqlens", cu_seqlens)
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"cu_seqlens must be a 1-D int tensor [B+1], got {cu_seqlens.dtype} "
+                             f"{tuple(cu_seqlens.shape)}")
+        if seq_grad_sq_norm.shape != (cu_seqlens.numel() - 1,) or not seq_grad_sq_norm.is_floating_point():
+            raise ValueError(f"seq_grad_sq_norm must be a float tensor of shape [B] = [{cu_seqlens.numel() - 1}]")
+    elif cu_seqlens is not None:
+        raise ValueError("cu_seqlens is only used with seq_grad_sq_norm")
+    if _validating(validate):
+        bad = (targets != ignore_index) & ((targets < 0) | (targets >= v))
+        if bool(bad.any()):
+            raise ValueError(f"targets must be in [0, V) = [0, {v}) or ignore_index ({ignore_index})")
+        if seq_grad_sq_norm is not None:
+            cu = cu_seqlens.tolist()
+            if cu[0] != 0 or cu[-1] != n or any(a > b for a, b in zip(cu, cu[1:])):
+                raise ValueError(f"cu_seqlens must rise from 0 to N = {n}, got {cu}")
+    impl = backends.resolve(backend, hidden.device)
+    if not hasattr(impl, "linear_logprobs"):
+        if backend != "auto":
+            raise ValueError(f"linear_logprobs has no {backend!r} kernel yet; use backend='torch'")
+        impl = backends.reference
+    logp, entropy, sum_p2 = impl.linear_logprobs(hidden, weight, targets, bias, float(temperature), ignore_index,
+                                                 chunk_size, return_entropy, return_sum_p2, cu_seqlens,
+                                                 seq_grad_sq_norm)
+    return LinearLogprobs(logp, entropy, sum_p2)

@@ -2,8 +2,10 @@
 every other backend is tested against."""
 
 from .effective_sample_size import effective_sample_size, ess_lr_scale
+from .linear_logprobs import linear_logprobs
 from .opob_baseline import opob_baseline
 from .policy_loss import policy_loss
 from .sequence_stats import sequence_stats
 
-__all__ = ["sequence_stats", "effective_sample_size", "ess_lr_scale", "opob_baseline", "policy_loss"]
+__all__ = ["sequence_stats", "effective_sample_size", "ess_lr_scale", "opob_baseline", "policy_loss",
+           "linear_logprobs"]
