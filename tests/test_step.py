@@ -2,7 +2,6 @@
 loop, the float64 reference loss and a plain optimizer step at the ESS-scaled learning rate."""
 
 import copy
-import math
 
 import pytest
 import torch

@@ -250,3 +250,20 @@ def test_producer_reports_its_failures_and_out_of_bounds_lag():
                            next_batch=6, end_batch=6, pending=[stale])
     with pytest.raises(StalenessError, match="lag 5"):
         prod.take(5)
+
+
+def test_plot_command_draws_runs(tmp_path, capsys):
+    from vcpo.cli import main
+
+    for name, k in (("sync", 0), ("async", 4)):
+        folder = tmp_path / name
+        folder.mkdir()
+        rows = [{"step": s, "wall_seconds": 0.5 * s, "reward": s / 40, "ess_ratio": 1.0 if k == 0 else 0.5,
+                 "lr_scale": 1.0 if k == 0 else 0.7, **({"eval_accuracy": s / 50, "eval_version": s} if s % 5 == 0
+                                                       else {})} for s in range(1, 21)]
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "cmp.png"
+    assert main(["plot", f"sync={tmp_path / 'sync'}", f"async={tmp_path / 'async'}", "-o", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
+    assert main(["plot", str(tmp_path / "missing"), "-o", str(out)]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err

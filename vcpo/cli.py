@@ -81,9 +81,10 @@ def _plot(args: argparse.Namespace) -> int:
     runs = {}
     for spec in args.runs:
         label, _, folder = spec.rpartition("=")
-        runs[label or os.path.basename(os.path.normpath(folder))] = read_metrics(folder)
-        if not runs[label or os.path.basename(os.path.normpath(folder))]:
+        rows = read_metrics(folder)
+        if not rows:
             raise ValueError(f"{folder!r} has no metrics.jsonl")
+        runs[label or os.path.basename(os.path.normpath(folder))] = rows
     plot_runs(runs, args.output)
     print(args.output)
     return 0

@@ -217,7 +217,7 @@ def linear_logprobs(
     backend: str = "auto",
 ) -> LinearLogprobs:
     """log softmax((hidden @ weight.T + bias) / temperature)[targets] per token, without materialising the
-    N x V logits (chunks of `chunk_size` tokens; default: about 64M logits a chunk). Autograd to hidden,
+    N x V logits (chunks of `chunk_size` tokens; default: 16M logits a chunk). Autograd to hidden,
     weight and bias from any upstream gradient of every output. `seq_grad_sq_norm` ([B], with `cu_seqlens`):
     the backward adds each sequence's squared norm of the weight (and bias) gradient to it."""
     hidden = _require_tensor("hidden", hidden)
@@ -239,7 +239,7 @@ def linear_logprobs(
             (0 < temperature < float("inf")):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
     if chunk_size is None:
-        chunk_size = max(1, (64 << 20) // max(v, 1))
+        chunk_size = max(1, (16 << 20) // max(v, 1))  # 64 MiB of fp32 logits a chunk
     elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
     if seq_grad_sq_norm is not None:

@@ -27,6 +27,11 @@ def _logits(h: Tensor, w: Tensor, b: Optional[Tensor], inv_t: float) -> Tensor:
     return z * inv_t
 
 
+def _row_dot(a: Tensor, b: Tensor) -> Tensor:
+    """sum_v a_tv b_tv per row, without an N x V product in memory."""
+    return (a.unsqueeze(1) @ b.unsqueeze(2)).reshape(-1)
+
+
 def _chunks(n: int, cu_seqlens: Optional[Tensor], chunk: int):
     """(start, end, sequence) spans of at most `chunk` tokens; with cu_seqlens they never cross a sequence."""
     if cu_seqlens is None:
@@ -59,11 +64,12 @@ class _LinearLogprobs(torch.autograd.Function):
             keep = valid[s:e]
             lse[s:e] = l
             logp[s:e] = torch.where(keep, z.gather(-1, y[:, None])[:, 0] - l, 0).to(out_dt)
-            if want_entropy:
-                p = torch.exp(z - l[:, None])
-                entropy[s:e] = torch.where(keep, l - (p * z).sum(-1), 0).to(out_dt)
-            if want_p2:
-                sum_p2[s:e] = torch.where(keep, torch.exp(torch.logsumexp(2 * z, -1) - 2 * l), 0).to(out_dt)
+            if want_entropy or want_p2:
+                p = torch.sub(z, l[:, None]).exp_()
+                if want_entropy:
+                    entropy[s:e] = torch.where(keep, l - _row_dot(p, z), 0).to(out_dt)
+                if want_p2:
+                    sum_p2[s:e] = torch.where(keep, _row_dot(p, p), 0).to(out_dt)
         ctx.save_for_backward(hidden, weight, bias, targets, lse, cu_seqlens, seq_sq_norm)
         ctx.config = (inv_t, ignore_index, chunk)
         return logp, entropy, sum_p2
@@ -85,21 +91,27 @@ class _LinearLogprobs(torch.autograd.Function):
         for s, e, seq in _chunks(n, cu_seqlens if per_seq else None, chunk):
             h = hidden[s:e].to(dt)
             z = _logits(h, w, b, inv_t)
-            p = torch.exp(z - lse[s:e, None])
-            keep = valid[s:e].to(dt)[:, None]
-            dz = torch.zeros_like(z)
+            # d z = p * (a0 + a1 z + a2 p), formed in z's buffer: at most two chunks of logits alive
+            p = torch.sub(z, lse[s:e, None]).exp_()
+            a0 = torch.zeros(e - s, 1, dtype=dt, device=z.device)
             if g_logp is not None:
-                y = torch.where(valid[s:e], targets[s:e], 0)
                 gl = g_logp[s:e].to(dt)[:, None]
-                dz -= gl * p
-                dz.scatter_add_(-1, y[:, None], gl)
+                a0 -= gl
             if g_ent is not None:
-                mean_z = (p * z).sum(-1, keepdim=True)
-                dz -= g_ent[s:e].to(dt)[:, None] * p * (z - mean_z)
+                ge = g_ent[s:e].to(dt)[:, None]
+                a0 += ge * _row_dot(p, z)[:, None]
+                z.mul_(-ge)
+            else:
+                z.zero_()
             if g_p2 is not None:
-                s2 = (p * p).sum(-1, keepdim=True)
-                dz += 2 * g_p2[s:e].to(dt)[:, None] * p * (p - s2)
-            dz = dz * keep * inv_t  # ignored targets contribute nothing
+                gq = g_p2[s:e].to(dt)[:, None]
+                a0 -= 2 * gq * _row_dot(p, p)[:, None]
+                z.addcmul_(p, 2 * gq)
+            dz = z.add_(a0).mul_(p)
+            del p
+            if g_logp is not None:
+                dz.scatter_add_(-1, torch.where(valid[s:e], targets[s:e], 0)[:, None], gl)
+            dz.mul_(valid[s:e].to(dt)[:, None] * inv_t)  # ignored targets contribute nothing
             d_hidden[s:e] = dz @ w
             dw = dz.T @ h
             d_weight += dw
