@@ -21,6 +21,34 @@ def _value(text: str):
     return yaml.safe_load(text)
 
 
+SETTING_HELP = {
+    "model": "a local Hugging Face causal LM folder (default: the built-in tiny Llama)",
+    "data": "a .jsonl or .parquet file of prompts and answers (default: the built-in addition task)",
+    "reward": "module:function, called as function(response, answer) -> float (default: exact match)",
+    "prompt_field": "the data's prompt column", "answer_field": "the data's answer column",
+    "eval_size": "prompts held out for the greedy evaluation",
+    "warm_start_steps": "built-in model: supervised steps before RL (cached)",
+    "output_dir": "the run folder (default: runs/vcpo-<date>-<time>)",
+    "steps": "optimizer steps", "prompts_per_step": "prompts per step",
+    "responses_per_prompt": "responses sampled per prompt (the group size)",
+    "max_new_tokens": "default: 8 on the built-in task, else 512",
+    "max_staleness": "k: the largest policy-version lag of a consumed sample (0 = synchronous)",
+    "seed": "prompt order, sampling seeds, initial RNG",
+    "loss": "update rule: vcpo, grpo, seq-tis, token-tis, mis, ppo",
+    "ess_scaling": "ESS-scaled learning rate on or off, over the preset",
+    "opob": "OPOB with exact per-sequence norms on, or the group mean, over the preset",
+    "lr": "AdamW learning rate (default: 3e-4 on the tiny model, else 1e-6)", "weight_decay": "AdamW",
+    "checkpoint_every": "steps between checkpoints", "keep_checkpoints": "checkpoints kept",
+    "eval_every": "versions between greedy evaluations",
+    "engine": "process (vLLM in its own processes) or inprocess",
+    "engine_cores": "CPU: the engine's cores, e.g. 1 (default: the last)",
+    "trainer_cores": "CPU: the trainer's cores (default: the others)",
+    "kv_cache_gib": "the engine's KV cache (CPU)", "dtype": "the engine's dtype: float32, bfloat16, float16",
+    "max_model_len": "default: the longest prompt plus max_new_tokens",
+    "gpu_memory_utilization": "GPU: the engine's share of the GPU memory",
+}
+
+
 def _train_parser(sub) -> argparse.ArgumentParser:
     from .trainer.config import TrainConfig
 
@@ -35,12 +63,14 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     for f in fields(TrainConfig):
         if f.name == "vcpo":
             continue
+        default = "" if f.default is None else f" [{f.default}]"
         if f.name in ("ess_scaling", "opob"):
-            p.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction)
+            p.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, help=SETTING_HELP[f.name])
             continue
         kind = typing.get_args(hints[f.name])[0] if typing.get_origin(hints[f.name]) is typing.Union \
             else hints[f.name]
-        p.add_argument(_flag(f.name), type=kind if kind in (int, float) else str, metavar=f.name.upper())
+        p.add_argument(_flag(f.name), type=kind if kind in (int, float) else str, metavar=f.name.upper(),
+                       help=SETTING_HELP[f.name] + default)
     g = p.add_argument_group("VCPO loss options (docs/contract.md; values read as YAML, e.g. 8, true, null)")
     for f in fields(VCPOConfig):
         g.add_argument(_flag(f.name), dest="vcpo." + f.name, type=_value, metavar="VALUE")

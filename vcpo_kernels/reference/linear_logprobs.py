@@ -112,20 +112,22 @@ class _LinearLogprobs(torch.autograd.Function):
             if g_logp is not None:
                 dz.scatter_add_(-1, torch.where(valid[s:e], targets[s:e], 0)[:, None], gl)
             dz.mul_(valid[s:e].to(dt)[:, None] * inv_t)  # ignored targets contribute nothing
-            d_hidden[s:e] = dz @ w
-            dw = dz.T @ h
-            d_weight += dw
+            torch.mm(dz, w, out=d_hidden[s:e])
             db = dz.sum(0) if bias is not None else None
             if d_bias is not None:
                 d_bias += db
-            if per_seq:
-                if open_seq is not None and open_seq[0] == seq:  # a sequence longer than a chunk
-                    dw, db = open_seq[1] + dw, None if db is None else open_seq[2] + db
-                if e == int(cu_seqlens[seq + 1]):
-                    seq_acc[seq] = dw.pow(2).sum() + (0 if db is None else db.pow(2).sum())
-                    open_seq = None
-                else:
-                    open_seq = (seq, dw, db)
+            if not per_seq:
+                d_weight.addmm_(dz.T, h)  # no [V, H] temporary
+                continue
+            dw = dz.T @ h  # this sequence's part, kept for its norm
+            d_weight += dw
+            if open_seq is not None and open_seq[0] == seq:  # a sequence longer than a chunk
+                dw, db = open_seq[1] + dw, None if db is None else open_seq[2] + db
+            if e == int(cu_seqlens[seq + 1]):
+                seq_acc[seq] = dw.pow(2).sum() + (0 if db is None else db.pow(2).sum())
+                open_seq = None
+            else:
+                open_seq = (seq, dw, db)
         if per_seq:
             seq_sq_norm.add_(seq_acc.to(seq_sq_norm.dtype))
         return (d_hidden.to(hidden.dtype), d_weight.to(weight.dtype),
