@@ -225,3 +225,18 @@ def test_user_model_data_and_reward(env, tmp_path):
         assert r["reward"] == pytest.approx(len(tok.decode(r["response_ids"], skip_special_tokens=True)) / 100)
     config = json.load(open(folder / "config.json"))
     assert config["vcpo"]["advantage"] == "grpo" and config["max_new_tokens"] == 5
+
+
+def test_default_engine_runs_in_its_own_processes_on_its_own_cores(env, tmp_path):
+    """The main job's configuration: vLLM in its own processes, weights through safetensors files, engine
+    and trainer on disjoint cores."""
+    folder = tmp_path / "run"
+    proc = run(["--steps", "4", "--prompts-per-step", "4", "--responses-per-prompt", "4", "--eval-size", "16",
+                "--warm-start-steps", "30", "--no-progress", "--output-dir", str(folder)], env)
+    assert len(read_jsonl(folder / "metrics.jsonl")) == 4
+    summary = json.load(open(folder / "summary.json"))
+    assert summary["syncs"] >= 1 and summary["final_eval"]["version"] == 4
+    assert os.path.isfile(folder / ".weights" / "model.safetensors")  # the file the engine reloaded
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= 2:
+        assert f"cores: engine [{cores[-1]}], trainer {cores[:-1]}" in proc.stdout + proc.stderr
