@@ -189,3 +189,22 @@ def test_bad_input_names_the_argument(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         vk.linear_logprobs(args.pop("hidden"), args.pop("weight"), args.pop("targets"), **args)
+
+
+def test_frozen_head_still_gives_hidden_gradients_and_norms():
+    """A frozen LM head (requires_grad False) skips its weight gradient, not the per-sequence norms."""
+    hidden, weight, bias, targets = make(9, 5, 13, torch.float64, seed=9)
+    frozen_w, frozen_b = weight.detach(), bias.detach()
+    cu = torch.tensor([0, 4, 9])
+    norms = torch.zeros(2, dtype=torch.float64)
+    out = vk.linear_logprobs(hidden, frozen_w, targets, bias=frozen_b, cu_seqlens=cu, seq_grad_sq_norm=norms,
+                             chunk_size=3)
+    (d_hidden,) = torch.autograd.grad(out.logp.sum(), hidden)
+    h2 = hidden.detach().requires_grad_()
+    (want,) = torch.autograd.grad(naive(h2, frozen_w, targets, frozen_b)[0].sum(), h2)
+    torch.testing.assert_close(d_hidden, want, rtol=1e-10, atol=1e-12)
+    for i in range(2):
+        w_i, b_i = weight.detach().clone().requires_grad_(), bias.detach().clone().requires_grad_()
+        s, e = int(cu[i]), int(cu[i + 1])
+        grads = torch.autograd.grad(naive(hidden.detach()[s:e], w_i, targets[s:e], b_i)[0].sum(), (w_i, b_i))
+        assert norms[i].item() == pytest.approx(sum(g.pow(2).sum().item() for g in grads), rel=1e-10)

@@ -81,9 +81,10 @@ class _LinearLogprobs(torch.autograd.Function):
         dt = lse.dtype
         w, b = weight.to(dt), None if bias is None else bias.to(dt)
         n = hidden.shape[0]
-        d_hidden = torch.zeros(hidden.shape, dtype=dt, device=hidden.device)
-        d_weight = torch.zeros(weight.shape, dtype=dt, device=weight.device)
-        d_bias = None if bias is None else torch.zeros(bias.shape, dtype=dt, device=bias.device)
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]  # a frozen head or input skips its GEMM
+        d_hidden = torch.zeros(hidden.shape, dtype=dt, device=hidden.device) if need_h else None
+        d_weight = torch.zeros(weight.shape, dtype=dt, device=weight.device) if need_w else None
+        d_bias = torch.zeros(bias.shape, dtype=dt, device=bias.device) if need_b else None
         valid = targets != ignore_index
         per_seq = seq_sq_norm is not None
         seq_acc = torch.zeros(seq_sq_norm.shape, dtype=dt) if per_seq else None
@@ -112,15 +113,18 @@ class _LinearLogprobs(torch.autograd.Function):
             if g_logp is not None:
                 dz.scatter_add_(-1, torch.where(valid[s:e], targets[s:e], 0)[:, None], gl)
             dz.mul_(valid[s:e].to(dt)[:, None] * inv_t)  # ignored targets contribute nothing
-            torch.mm(dz, w, out=d_hidden[s:e])
+            if need_h:
+                torch.mm(dz, w, out=d_hidden[s:e])
             db = dz.sum(0) if bias is not None else None
-            if d_bias is not None:
+            if need_b:
                 d_bias += db
             if not per_seq:
-                d_weight.addmm_(dz.T, h)  # no [V, H] temporary
+                if need_w:
+                    d_weight.addmm_(dz.T, h)  # no [V, H] temporary
                 continue
             dw = dz.T @ h  # this sequence's part, kept for its norm
-            d_weight += dw
+            if need_w:
+                d_weight += dw
             if open_seq is not None and open_seq[0] == seq:  # a sequence longer than a chunk
                 dw, db = open_seq[1] + dw, None if db is None else open_seq[2] + db
             if e == int(cu_seqlens[seq + 1]):
@@ -130,8 +134,9 @@ class _LinearLogprobs(torch.autograd.Function):
                 open_seq = (seq, dw, db)
         if per_seq:
             seq_sq_norm.add_(seq_acc.to(seq_sq_norm.dtype))
-        return (d_hidden.to(hidden.dtype), d_weight.to(weight.dtype),
-                None if bias is None else d_bias.to(bias.dtype), None, None, None, None, None, None, None, None)
+        return (None if d_hidden is None else d_hidden.to(hidden.dtype),
+                None if d_weight is None else d_weight.to(weight.dtype),
+                None if d_bias is None else d_bias.to(bias.dtype), None, None, None, None, None, None, None, None)
 
 
 def linear_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Optional[Tensor], temperature: float,
