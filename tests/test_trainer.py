@@ -221,7 +221,7 @@ def test_user_model_data_and_reward(env, tmp_path):
     rows = read_jsonl(folder / "rollouts.jsonl")
     assert len(rows) == 3 * 4 * 2
     for r in rows:
-        assert len(r["response_ids"]) <= 5
+        assert len(r["response_ids"]) <= 5 and r["finish_reason"] in ("stop", "length")
         assert r["reward"] == pytest.approx(len(tok.decode(r["response_ids"], skip_special_tokens=True)) / 100)
     config = json.load(open(folder / "config.json"))
     assert config["vcpo"]["advantage"] == "grpo" and config["max_new_tokens"] == 5

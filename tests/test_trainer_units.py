@@ -160,7 +160,7 @@ def test_pad_rollouts_aligns_tokens_and_logprobs():
 
 
 def test_generated_batch_round_trips():
-    b = GeneratedBatch(3, 1, [Rollout(3, 4, 0, [1], [2], [-0.1], None, 0.5, 1)], 0.25, 1)
+    b = GeneratedBatch(3, 1, [Rollout(3, 4, 0, [1], [2], [-0.1], None, 0.5, 1)])
     assert GeneratedBatch.from_state(json.loads(json.dumps(b.to_state()))) == b
 
 
@@ -175,7 +175,7 @@ def _drive(k: int, steps: int, gen_s: float, train_s: float, seed: int = 0, stop
     def make_batch(index, v):
         assert v == engine["version"]
         time.sleep(rng.uniform(0, gen_s))
-        return GeneratedBatch(index, v, [Rollout(index, index, 0, [1], [2], [0.0], None, 0.0, v)], 0.0, 1)
+        return GeneratedBatch(index, v, [Rollout(index, index, 0, [1], [2], [0.0], None, 0.0, v)])
 
     def load(weights):
         with lock:
@@ -229,7 +229,7 @@ def test_producer_resumes_with_pending_batches():
 def test_producer_loads_weights_published_during_an_evaluation():
     # resumed synchronous run: the engine evaluates its first version while the trainer consumes the pending
     # batch and publishes new weights; the next batch must be generated with those, not the evaluated ones
-    pending = [GeneratedBatch(10, 10, [], 0.0, 0)]
+    pending = [GeneratedBatch(10, 10, [])]
     rest, prod = _drive(0, steps=14, gen_s=0.001, train_s=0.0, pending=pending, next_batch=11, version=10,
                         eval_s=0.05)
     assert [(b.index, b.version) for b in rest] == [(j, j) for j in range(10, 14)]
@@ -245,7 +245,7 @@ def test_producer_reports_its_failures_and_out_of_bounds_lag():
         prod.take(0)
     assert isinstance(info.value.__cause__, OSError)
     prod.stop()
-    stale = GeneratedBatch(5, 0, [], 0.0, 0)
+    stale = GeneratedBatch(5, 0, [])
     prod = RolloutProducer(make_batch=broken, load_weights=lambda w: None, max_staleness=2, version=5,
                            next_batch=6, end_batch=6, pending=[stale])
     with pytest.raises(StalenessError, match="lag 5"):

@@ -39,17 +39,13 @@ class GeneratedBatch:
     index: int
     version: int
     rollouts: list[Rollout]
-    generate_seconds: float
-    num_prompts: int
 
     def to_state(self) -> dict:
-        return {"index": self.index, "version": self.version, "generate_seconds": self.generate_seconds,
-                "num_prompts": self.num_prompts, "rollouts": [asdict(r) for r in self.rollouts]}
+        return asdict(self)
 
     @classmethod
     def from_state(cls, s: dict) -> "GeneratedBatch":
-        return cls(s["index"], s["version"], [Rollout(**r) for r in s["rollouts"]], s["generate_seconds"],
-                   s["num_prompts"])
+        return cls(s["index"], s["version"], [Rollout(**r) for r in s["rollouts"]])
 
 
 @dataclass

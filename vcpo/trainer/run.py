@@ -215,7 +215,6 @@ def train(cfg: TrainConfig, *, resume: bool = False, log: Callable[[str], None] 
 
     def make_batch(index: int, version: int) -> GeneratedBatch:
         idx = stream.batch(index, P)
-        t0 = time.perf_counter()
         # temperature 1: the engine's log-probs are then those of the distribution the trainer differentiates
         outs = engine.generate([train_prompts[i] for i in idx], n=n, max_tokens=max_new, temperature=1.0,
                                seeds=[_request_seed(cfg.seed, index, pos) for pos in range(P)],
@@ -226,7 +225,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, log: Callable[[str], None] 
                 text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
                 rollouts.append(Rollout(index, i, r, train_prompts[i], c.token_ids, c.logprobs, c.finish_reason,
                                         float(reward_fn(text, problems.train[i].answer)), version))
-        return GeneratedBatch(index, version, rollouts, time.perf_counter() - t0, P)
+        return GeneratedBatch(index, version, rollouts)
 
     def evaluate(version: int) -> tuple[float, float]:
         """Greedy accuracy (exact match with the answer) and mean reward on the held-out prompts."""
@@ -356,7 +355,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, log: Callable[[str], None] 
                 metrics_file.write(json.dumps(row) + "\n")
                 for r in batch.rollouts:
                     rollouts_file.write(json.dumps({"step": step, "uid": list(r.uid), "version": r.version,
-                                                    "response_ids": r.response_ids, "reward": r.reward}) + "\n")
+                                                    "response_ids": r.response_ids, "reward": r.reward,
+                                                    "finish_reason": r.finish_reason}) + "\n")
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(reward=f"{row['reward']:.3f}", ess=f"{row['ess_ratio']:.2f}", lag=lag,

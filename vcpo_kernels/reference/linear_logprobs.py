@@ -33,15 +33,17 @@ def _row_dot(a: Tensor, b: Tensor) -> Tensor:
 
 
 def _chunks(n: int, cu_seqlens: Optional[Tensor], chunk: int):
-    """(start, end, sequence) spans of at most `chunk` tokens; with cu_seqlens they never cross a sequence."""
+    """(start, end, sequence, ends the sequence) spans of at most `chunk` tokens; with cu_seqlens they never
+    cross a sequence boundary (read once, here)."""
     if cu_seqlens is None:
         for s in range(0, n, chunk):
-            yield s, min(s + chunk, n), None
+            yield s, min(s + chunk, n), None, False
         return
     bounds = cu_seqlens.tolist()
     for i in range(len(bounds) - 1):
         for s in range(bounds[i], bounds[i + 1], chunk):
-            yield s, min(s + chunk, bounds[i + 1]), i
+            e = min(s + chunk, bounds[i + 1])
+            yield s, e, i, e == bounds[i + 1]
 
 
 class _LinearLogprobs(torch.autograd.Function):
@@ -57,7 +59,7 @@ class _LinearLogprobs(torch.autograd.Function):
         entropy = torch.zeros(n, dtype=out_dt, device=hidden.device) if want_entropy else None
         sum_p2 = torch.zeros(n, dtype=out_dt, device=hidden.device) if want_p2 else None
         valid = targets != ignore_index
-        for s, e, _ in _chunks(n, None, chunk):
+        for s, e, _, _ in _chunks(n, None, chunk):
             z = _logits(hidden[s:e].to(dt), w, b, inv_t)
             l = torch.logsumexp(z, -1)
             y = torch.where(valid[s:e], targets[s:e], 0)
@@ -89,7 +91,7 @@ class _LinearLogprobs(torch.autograd.Function):
         per_seq = seq_sq_norm is not None
         seq_acc = torch.zeros(seq_sq_norm.shape, dtype=dt) if per_seq else None
         open_seq = None  # (sequence, its d W and d b so far) while a sequence spans several chunks
-        for s, e, seq in _chunks(n, cu_seqlens if per_seq else None, chunk):
+        for s, e, seq, seq_ends in _chunks(n, cu_seqlens if per_seq else None, chunk):
             h = hidden[s:e].to(dt)
             z = _logits(h, w, b, inv_t)
             # d z = p * (a0 + a1 z + a2 p), formed in z's buffer: at most two chunks of logits alive
@@ -127,7 +129,7 @@ class _LinearLogprobs(torch.autograd.Function):
                 d_weight += dw
             if open_seq is not None and open_seq[0] == seq:  # a sequence longer than a chunk
                 dw, db = open_seq[1] + dw, None if db is None else open_seq[2] + db
-            if e == int(cu_seqlens[seq + 1]):
+            if seq_ends:
                 seq_acc[seq] = dw.pow(2).sum() + (0 if db is None else db.pow(2).sum())
                 open_seq = None
             else:
