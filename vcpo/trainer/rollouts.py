@@ -28,6 +28,7 @@ class Rollout:
     finish_reason: Optional[str]
     reward: float
     version: int  # policy version of the engine's weights when sampled
+    correct: bool = False  # exact match with the answer (the accuracy metric), whatever the reward function
 
     @property
     def uid(self) -> tuple[int, int, int]:

@@ -223,8 +223,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, log: Callable[[str], None] 
         for i, completions in zip(idx, outs):
             for r, c in enumerate(completions):
                 text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
+                answer = problems.train[i].answer
                 rollouts.append(Rollout(index, i, r, train_prompts[i], c.token_ids, c.logprobs, c.finish_reason,
-                                        float(reward_fn(text, problems.train[i].answer)), version))
+                                        float(reward_fn(text, answer)), version, bool(exact_match(text, answer))))
         return GeneratedBatch(index, version, rollouts)
 
     def evaluate(version: int) -> tuple[float, float]:
@@ -330,12 +331,11 @@ def train(cfg: TrainConfig, *, resume: bool = False, log: Callable[[str], None] 
                 lag_hist[lag] += 1
                 stats = producer.stats
                 tokens = stats.generated_tokens
-                correct = [exact_match(tokenizer.decode(r.response_ids, skip_special_tokens=True),
-                                       problems.train[r.prompt_index].answer) for r in batch.rollouts]
                 row = {
                     "step": step, "batch": batch.index, "version": batch.version, "lag": lag,
                     "wall_seconds": now - t_start,
-                    "reward": float(rewards.mean()), "accuracy": sum(correct) / len(correct),
+                    "reward": float(rewards.mean()),
+                    "accuracy": sum(r.correct for r in batch.rollouts) / len(batch.rollouts),
                     "response_length": float(loss_mask.sum(1).float().mean()),
                     **{k: m[k] for k in ("loss", "ess_ratio", "lr_scale", "is_clip_fraction", "mean_is_coef",
                                          "kl_k3", "ppo_clip_fraction", "grad_norm", "grad_sq_norm_mean",
