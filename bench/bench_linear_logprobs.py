@@ -1,5 +1,6 @@
 """Log-probs from hidden states, forward + backward: time and peak memory of eager PyTorch (logits ->
-log_softmax -> gather), torch.compile of it, and vcpo_kernels.linear_logprobs, side by side.
+log_softmax -> gather), torch.compile of it, and vcpo_kernels.linear_logprobs with its C++ passes over each
+chunk of logits ("vcpo cpu", what backend="auto" picks) and with the torch reference passes ("vcpo torch").
 
 Each case runs in its own process, so that its peak resident memory is its own: the table gives the peak
 over the inputs (hidden, weight, targets and their gradients' buffers are allocated before the baseline is
@@ -18,7 +19,7 @@ import subprocess
 import sys
 import time
 
-CASES = ("eager", "compile", "vcpo")
+CASES = ("eager", "compile", "vcpo torch", "vcpo cpu")
 
 
 def _rss_mib() -> float:
@@ -45,7 +46,8 @@ def child(case: str, n: int, h: int, v: int, reps: int) -> None:
         return torch.log_softmax((hs @ w.T).float(), -1).gather(-1, targets[:, None])[:, 0]
 
     fn = {"eager": eager, "compile": torch.compile(eager),
-          "vcpo": lambda hs, w: vk.linear_logprobs(hs, w, targets, validate=False).logp}[case]
+          "vcpo torch": lambda hs, w: vk.linear_logprobs(hs, w, targets, validate=False, backend="torch").logp,
+          "vcpo cpu": lambda hs, w: vk.linear_logprobs(hs, w, targets, validate=False, backend="cpu").logp}[case]
 
     def run():
         lp = fn(hidden, weight)
@@ -90,15 +92,16 @@ def main() -> None:
             out = json.loads(proc.stdout.strip().splitlines()[-1])
             results[case]["times"] += out["times"]
             results[case]["peak"].append(out["peak_over_inputs_mib"])
-            print(f"  round {r + 1} {case:8s} {min(out['times']):8.2f} s  peak +{out['peak_over_inputs_mib']:.0f} MiB",
+            print(f"  round {r + 1} {case:10s} {min(out['times']):8.2f} s  peak +{out['peak_over_inputs_mib']:.0f} MiB",
                   flush=True)
-    print(f"\n{'case':10s}{'median s':>10s}{'min s':>10s}{'peak MiB':>12s}{'time / vcpo':>13s}{'peak / vcpo':>13s}")
-    ours = results["vcpo"]
+    print(f"\n{'case':12s}{'median s':>10s}{'min s':>10s}{'peak MiB':>12s}{'time / ours':>13s}{'peak / ours':>13s}"
+          "   (ours: vcpo cpu)")
+    ours = results["vcpo cpu"]
     for case in CASES:
         t, m = results[case]["times"], results[case]["peak"]
         if not t:
             continue
-        print(f"{case:10s}{statistics.median(t):10.2f}{min(t):10.2f}{statistics.median(m):12.0f}"
+        print(f"{case:12s}{statistics.median(t):10.2f}{min(t):10.2f}{statistics.median(m):12.0f}"
               f"{statistics.median(t) / statistics.median(ours['times']):13.2f}"
               f"{statistics.median(m) / max(statistics.median(ours['peak']), 1):13.1f}")
 

@@ -30,4 +30,9 @@ TORCH_LIBRARY(vcpo, m) {
         " Tensor? mask, Tensor cu_seqlens, Tensor grad_scale, Tensor advantages, int is_level,"
         " int is_correction, float log_threshold, float log_threshold_low, float? clip_low,"
         " float? clip_high, float? clip_c) -> Tensor grad_logp");
+  // The passes over a chunk of logits of linear_logprobs (the GEMMs around them are torch's).
+  m.def("logit_rows_forward(Tensor logits, Tensor targets, int ignore_index)"
+        " -> (Tensor lse, Tensor logp, Tensor entropy, Tensor sum_p2)");
+  m.def("logit_rows_backward(Tensor(a!) logits, Tensor lse, Tensor targets, int ignore_index, Tensor? g_logp,"
+        " Tensor? g_entropy, Tensor? g_sum_p2, Tensor? entropy, Tensor? sum_p2, float scale) -> ()");
 }

@@ -6,6 +6,19 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import vcpo_kernels as vk
+from helpers import COMPILED_BACKENDS, poison_heap
+
+try:
+    import triton  # noqa: F401  (run under the interpreter: tests/conftest.py)
+
+    TRITON = ["triton"]
+except ImportError:
+    TRITON = []
+
+
+@pytest.fixture(params=["torch"] + COMPILED_BACKENDS + TRITON)
+def backend(request):
+    return request.param
 
 
 def naive(hidden, weight, targets, bias=None, temperature=1.0, ignore_index=-100):
@@ -41,10 +54,10 @@ def grads_of(outputs, upstream, inputs):
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 2e-5), (torch.bfloat16, 2e-4)])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("chunk", [3, 64])
-def test_outputs_and_gradients_match_float64(dtype, tol, temperature, chunk):
+def test_outputs_and_gradients_match_float64(dtype, tol, temperature, chunk, backend):
     hidden, weight, bias, targets = make(10, 16, 37, dtype, seed=chunk)  # V = 37: no multiple of a chunk
     targets[0], targets[1], targets[2] = 0, 36, -100  # the vocabulary's ends and an ignored target
-    out = vk.linear_logprobs(hidden, weight, targets, bias=bias, temperature=temperature, return_entropy=True,
+    out = vk.linear_logprobs(hidden, weight, targets, backend=backend, bias=bias, temperature=temperature, return_entropy=True,
                              return_sum_p2=True, chunk_size=chunk)
     assert out.logp.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     # the float64 statement on the very same (rounded) inputs
@@ -64,9 +77,9 @@ def test_outputs_and_gradients_match_float64(dtype, tol, temperature, chunk):
 
 
 @pytest.mark.parametrize("which", ["logp", "entropy", "sum_p2"])
-def test_each_output_alone_has_its_own_gradient(which):
+def test_each_output_alone_has_its_own_gradient(which, backend):
     hidden, weight, bias, targets = make(6, 8, 11, torch.float64, seed=3)
-    out = vk.linear_logprobs(hidden, weight, targets, bias=bias, return_entropy=True, return_sum_p2=True,
+    out = vk.linear_logprobs(hidden, weight, targets, backend=backend, bias=bias, return_entropy=True, return_sum_p2=True,
                              chunk_size=4)
     index = ("logp", "entropy", "sum_p2").index(which)
     ref = naive(hidden, weight, targets, bias)
@@ -76,21 +89,22 @@ def test_each_output_alone_has_its_own_gradient(which):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
-def test_gradcheck_float64():
+def test_gradcheck_float64(backend):
     hidden, weight, bias, targets = make(4, 5, 7, torch.float64, seed=4)
     targets[1] = -100
 
     def f(h, w, b):
         o = vk.linear_logprobs(h, w, targets, bias=b, temperature=0.9, return_entropy=True, return_sum_p2=True,
+                               backend=backend,
                                chunk_size=3)
         return o.logp, o.entropy, o.sum_p2
 
     assert torch.autograd.gradcheck(f, (hidden, weight, bias))
 
 
-def test_one_token_no_bias_and_extreme_logits():
+def test_one_token_no_bias_and_extreme_logits(backend):
     hidden, weight, _, targets = make(1, 4, 9, torch.float32, bias=False, seed=5, scale=300.0)  # |z| ~ 1e3
-    out = vk.linear_logprobs(hidden, weight, targets, return_entropy=True, return_sum_p2=True)
+    out = vk.linear_logprobs(hidden, weight, targets, backend=backend, return_entropy=True, return_sum_p2=True)
     ref = naive(hidden.detach(), weight.detach(), targets)
     for got, want in zip((out.logp, out.entropy, out.sum_p2), ref):
         assert torch.isfinite(got).all()
@@ -99,11 +113,11 @@ def test_one_token_no_bias_and_extreme_logits():
     assert torch.isfinite(hidden.grad).all() and torch.isfinite(weight.grad).all()
 
 
-def test_ignored_targets_contribute_nothing():
+def test_ignored_targets_contribute_nothing(backend):
     hidden, weight, bias, targets = make(8, 6, 13, torch.float64, seed=6)
     ignored = torch.tensor([1, 4, 5])
     targets[ignored] = -1
-    out = vk.linear_logprobs(hidden, weight, targets, bias=bias, ignore_index=-1, return_entropy=True)
+    out = vk.linear_logprobs(hidden, weight, targets, backend=backend, bias=bias, ignore_index=-1, return_entropy=True)
     (out.logp.sum() + out.entropy.sum()).backward()
     assert (hidden.grad[ignored] == 0).all()
     kept = torch.tensor([0, 2, 3, 6, 7])
@@ -117,7 +131,7 @@ def test_ignored_targets_contribute_nothing():
 
 @pytest.mark.parametrize("chunk", [2, 5, 100])
 @pytest.mark.parametrize("bias", [True, False])
-def test_per_sequence_lm_head_norms_match_a_loop(chunk, bias):
+def test_per_sequence_lm_head_norms_match_a_loop(chunk, bias, backend):
     lengths = [3, 0, 7, 1, 4]  # an empty sequence, one longer than the small chunks
     n = sum(lengths)
     hidden, weight, b, targets = make(n, 6, 11, torch.float64, bias=bias, seed=7)
@@ -126,7 +140,7 @@ def test_per_sequence_lm_head_norms_match_a_loop(chunk, bias):
     g = torch.Generator().manual_seed(2)
     upstream = torch.randn(n, generator=g, dtype=torch.float64)
     norms = torch.full((5,), 0.5, dtype=torch.float64)
-    out = vk.linear_logprobs(hidden, weight, targets, bias=b, cu_seqlens=cu, seq_grad_sq_norm=norms,
+    out = vk.linear_logprobs(hidden, weight, targets, backend=backend, bias=b, cu_seqlens=cu, seq_grad_sq_norm=norms,
                              chunk_size=chunk)
     (out.logp * upstream).sum().backward()
     params = [weight] + ([b] if bias else [])
@@ -162,11 +176,13 @@ class _LargestTensor(TorchDispatchMode):
         return out
 
 
-def test_never_materialises_n_by_v():
+def test_never_materialises_n_by_v(backend):
+    if backend == "triton":
+        pytest.skip("the Triton interpreter stages kernel arguments through host copies of their storage")
     n, h, v, chunk = 256, 8, 512, 16
     hidden, weight, bias, targets = make(n, h, v, seed=8)
     with _LargestTensor() as mode:
-        out = vk.linear_logprobs(hidden, weight, targets, bias=bias, return_entropy=True, return_sum_p2=True,
+        out = vk.linear_logprobs(hidden, weight, targets, backend=backend, bias=bias, return_entropy=True, return_sum_p2=True,
                                  chunk_size=chunk)
         (out.logp.sum() + out.entropy.sum() + out.sum_p2.sum()).backward()
     assert mode.largest <= chunk * v < n * v  # every temporary is at most one chunk of logits
@@ -179,25 +195,30 @@ def test_never_materialises_n_by_v():
     ({"bias": torch.randn(3)}, "bias must have shape"),
     ({"temperature": 0.0}, "temperature"),
     ({"chunk_size": 0}, "chunk_size"),
-    ({"seq_grad_sq_norm": torch.zeros(1)}, "needs cu_seqlens"),
+    ({"seq_grad_sq_norm": torch.zeros(1)}, "need cu_seqlens"),
     ({"cu_seqlens": torch.tensor([0, 2])}, "only used with"),
     ({"cu_seqlens": torch.tensor([0, 3]), "seq_grad_sq_norm": torch.zeros(1)}, "rise from 0 to N"),
-    ({"backend": "cpu"}, "no 'cpu' kernel yet"),
+    ({"seq_grad_rows": torch.zeros(1, 1, 4)}, "go together"),
+    ({"cu_seqlens": torch.tensor([0, 2]), "seq_grad_row_ids": torch.zeros(1, 1, dtype=torch.long),
+      "seq_grad_rows": torch.zeros(1, 2, 4)}, "seq_grad_rows must be"),
+    ({"cu_seqlens": torch.tensor([0, 2]), "seq_grad_row_ids": torch.tensor([[7]]),
+      "seq_grad_rows": torch.zeros(1, 1, 4)}, "seq_grad_row_ids must be in"),
+    ({"backend": "cuda"}, "backend='cuda'"),
 ])
-def test_bad_input_names_the_argument(kwargs, match):
+def test_bad_input_names_the_argument(kwargs, match, backend):
     args = {"hidden": torch.randn(2, 4), "weight": torch.randn(7, 4), "targets": torch.tensor([0, 6])}
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
-        vk.linear_logprobs(args.pop("hidden"), args.pop("weight"), args.pop("targets"), **args)
+        vk.linear_logprobs(args.pop("hidden"), args.pop("weight"), args.pop("targets"), **{"backend": backend, **args})
 
 
-def test_frozen_head_still_gives_hidden_gradients_and_norms():
+def test_frozen_head_still_gives_hidden_gradients_and_norms(backend):
     """A frozen LM head (requires_grad False) skips its weight gradient, not the per-sequence norms."""
     hidden, weight, bias, targets = make(9, 5, 13, torch.float64, seed=9)
     frozen_w, frozen_b = weight.detach(), bias.detach()
     cu = torch.tensor([0, 4, 9])
     norms = torch.zeros(2, dtype=torch.float64)
-    out = vk.linear_logprobs(hidden, frozen_w, targets, bias=frozen_b, cu_seqlens=cu, seq_grad_sq_norm=norms,
+    out = vk.linear_logprobs(hidden, frozen_w, targets, backend=backend, bias=frozen_b, cu_seqlens=cu, seq_grad_sq_norm=norms,
                              chunk_size=3)
     (d_hidden,) = torch.autograd.grad(out.logp.sum(), hidden)
     h2 = hidden.detach().requires_grad_()
@@ -208,3 +229,74 @@ def test_frozen_head_still_gives_hidden_gradients_and_norms():
         s, e = int(cu[i]), int(cu[i + 1])
         grads = torch.autograd.grad(naive(hidden.detach()[s:e], w_i, targets[s:e], b_i)[0].sum(), (w_i, b_i))
         assert norms[i].item() == pytest.approx(sum(g.pow(2).sum().item() for g in grads), rel=1e-10)
+
+
+def test_several_blocks_per_row_with_the_maximum_last(backend):
+    """V spans several of the Triton kernels' column blocks and the row maximum sits in the last one, so the
+    running sums are rescaled; also the V = 1 vocabulary."""
+    hidden, weight, bias, targets = make(4, 6, 9000, torch.float64, seed=10)
+    with torch.no_grad():
+        weight[8990:] *= 6.0  # the largest logits at the end of the row
+    targets[0], targets[1] = 8995, 0
+    poison_heap(4, 4 * 9000)
+    out = vk.linear_logprobs(hidden, weight, targets, bias=bias, return_entropy=True, return_sum_p2=True,
+                             chunk_size=3, backend=backend)
+    ref = naive(hidden.detach(), weight.detach(), targets, bias.detach())
+    for got, want in zip((out.logp, out.entropy, out.sum_p2), ref):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    got = torch.autograd.grad(out.logp.sum() + out.entropy.sum() + out.sum_p2.sum(), (hidden, weight, bias))
+    want = torch.autograd.grad(sum(r.sum() for r in naive(hidden, weight, targets, bias)), (hidden, weight, bias))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    one = vk.linear_logprobs(hidden, weight[:1], torch.zeros(4, dtype=torch.long), return_entropy=True,
+                             return_sum_p2=True, backend=backend)
+    assert (one.logp == 0).all() and (one.entropy.abs() < 1e-12).all() and (one.sum_p2 == 1).all()
+
+
+def test_non_finite_hidden_gives_nan_not_a_silent_number(backend):
+    hidden, weight, bias, targets = make(3, 4, 10, seed=11)
+    with torch.no_grad():
+        hidden[1, 2] = float("nan")
+    out = vk.linear_logprobs(hidden, weight, targets, bias=bias, return_entropy=True, backend=backend)
+    assert torch.isnan(out.logp[1]) and torch.isnan(out.entropy[1])
+    assert torch.isfinite(out.logp[[0, 2]]).all()
+
+
+@pytest.mark.parametrize("chunk", [2, 100])
+def test_per_sequence_gradient_rows_match_a_loop(chunk, backend):
+    """seq_grad_rows[i, k] += (d W of sequence i)[seq_grad_row_ids[i, k]]: what the inner product with a tied
+    embedding's per-sequence gradient needs."""
+    lengths = [4, 0, 5]
+    n, v, h = sum(lengths), 12, 5
+    hidden, weight, b, targets = make(n, h, v, torch.float64, seed=12)
+    cu = torch.tensor([0, 4, 4, 9])
+    ids = torch.randint(0, v, (3, 6), generator=torch.Generator().manual_seed(3))
+    ids[0, 0] = ids[0, 1]  # a repeated id
+    rows = torch.full((3, 6, h), 0.25, dtype=torch.float64)
+    upstream = torch.randn(n, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    out = vk.linear_logprobs(hidden, weight, targets, bias=b, cu_seqlens=cu, seq_grad_row_ids=ids,
+                             seq_grad_rows=rows, chunk_size=chunk, backend=backend)
+    (out.logp * upstream).sum().backward()
+    for i in range(3):
+        s, e = int(cu[i]), int(cu[i + 1])
+        w_i = weight.detach().clone().requires_grad_()
+        want = torch.zeros(v, h, dtype=torch.float64)
+        if e > s:
+            (want,) = torch.autograd.grad((naive(hidden.detach()[s:e], w_i, targets[s:e], b.detach())[0]
+                                           * upstream[s:e]).sum(), w_i)
+        torch.testing.assert_close(rows[i], 0.25 + want[ids[i]], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.skipif(not COMPILED_BACKENDS, reason="the C++ extension is not built")
+def test_cpu_row_ops_pass_opcheck_and_reject_bad_targets():
+    g = torch.Generator().manual_seed(13)
+    z = torch.randn(5, 7, generator=g)
+    y = torch.tensor([0, 6, -100, 3, 2])
+    torch.library.opcheck(torch.ops.vcpo.logit_rows_forward.default, (z, y, -100))
+    lse = torch.logsumexp(z, -1)
+    grads = [torch.randn(5, generator=g) for _ in range(5)]
+    torch.library.opcheck(torch.ops.vcpo.logit_rows_backward.default, (z.clone(), lse, y, -100, *grads, 0.5))
+    with pytest.raises(RuntimeError, match="targets must lie in"):
+        torch.ops.vcpo.logit_rows_forward(z, torch.tensor([0, 7, 0, 0, 0]), -100)
+    with pytest.raises(RuntimeError, match="g_entropy needs"):
+        torch.ops.vcpo.logit_rows_backward(z, lse, y, -100, None, grads[0], None, None, None, 1.0)

@@ -24,3 +24,15 @@ def test_generic_loops_match_reference():
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert " passed" in result.stdout
+
+
+@pytest.mark.skipif(not COMPILED_BACKENDS, reason="the C++ extension is not built")
+def test_generic_logit_rows_match_reference():
+    env = {**os.environ, "VCPO_CPU_ISA": "generic"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "cpu",
+         str(HERE / "test_linear_logprobs.py")],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout

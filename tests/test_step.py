@@ -13,10 +13,11 @@ from vcpo.step import token_logp
 transformers = pytest.importorskip("transformers")
 
 
-def _model(seed=0):
+def _model(seed=0, tied=False):
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                                      tie_word_embeddings=tied)
     config._attn_implementation = "eager"
     return transformers.LlamaForCausalLM(config).double().eval()
 
@@ -51,6 +52,7 @@ def _reference_update(model, optimizer, batch, config):
                          old_logp=None if batch.old_logp is None else batch.old_logp[:, 1:],
                          rewards=batch.rewards, group_index=batch.group_index, grad_sq_norm=torch.stack(g_sq),
                          options=config, backend="torch")
+    out.grad_sq_norm_mean = torch.stack(g_sq).mean().item()
     (dlogp,) = torch.autograd.grad(out.loss, leaf)
     grads = torch.autograd.grad((logp * dlogp).sum(), params)
     total = torch.sqrt(sum(g.pow(2).sum() for g in grads))
@@ -64,10 +66,14 @@ def _reference_update(model, optimizer, batch, config):
     return out, total.item()
 
 
+@pytest.mark.parametrize("fused, tied", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("case", ["bookkeeping", "two_pass", "token-level-old", "lm_head", "length"])
-def test_step_matches_hand_assembled_update(case, monkeypatch):
-    model = _model()
-    options = dict(ess_base_ratio=1.0, grad_clip=0.05, backend="cpu")
+def test_step_matches_hand_assembled_update(case, fused, tied, monkeypatch):
+    if tied and case in ("lm_head", "length"):
+        pytest.skip("the hand-made G_i of these proxies is for an untied head")
+    model = _model(tied=tied)
+    assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
+    options = dict(ess_base_ratio=1.0, grad_clip=0.05, backend="cpu", fused_lm_head=fused)
     with_old = False
     if case == "two_pass":
         options["assembly"] = "two_pass"
@@ -88,6 +94,10 @@ def test_step_matches_hand_assembled_update(case, monkeypatch):
     original = vcpo.PerSequenceGradients.assemble
     monkeypatch.setattr(vcpo.PerSequenceGradients, "assemble",
                         lambda self, c: (calls.append(1), original(self, c))[1])
+    if fused:  # the fused step never calls the LM head module (no [B, T, V] logits)
+        def refuse(*_):
+            raise AssertionError("the LM head module was called")
+        model.get_output_embeddings().register_forward_hook(refuse)
     metrics = vcpo.step(model, opt, batch, config)
     assert bool(calls) == (case == "bookkeeping")  # auto picks book-keeping exactly where it is exact
 
@@ -104,6 +114,7 @@ def test_step_matches_hand_assembled_update(case, monkeypatch):
         _reference_update_with(reference, ref_opt, batch, config, g_override)
     else:
         out, total = _reference_update(reference, ref_opt, batch, config)
+        assert metrics["grad_sq_norm_mean"] == pytest.approx(out.grad_sq_norm_mean, rel=1e-9)
         assert metrics["grad_norm"] == pytest.approx(total, rel=1e-6)
         assert metrics["lr_scale"] == pytest.approx(out.lr_scale.item(), rel=1e-6)
         assert metrics["loss"] == pytest.approx(out.loss.item(), rel=1e-6, abs=1e-12)
@@ -142,7 +153,18 @@ def test_step_refuses_bookkeeping_where_it_is_not_exact():
         vcpo.step(model, opt, batch, vcpo.VCPOConfig(assembly="bookkeeping"))
 
 
+def test_fused_lm_head_refuses_models_it_cannot_run():
+    model = _model()
+    batch = _batch(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        vcpo.step(model, opt, batch, vcpo.VCPOConfig(fused_lm_head=True))
+    with pytest.raises(ValueError, match="get_output_embeddings"):
+        vcpo.step(torch.nn.Sequential(torch.nn.Linear(2, 2)), opt, batch, vcpo.VCPOConfig(fused_lm_head=True))
+
+
 def test_step_config_errors():
-    for bad in (dict(grad_norms="full"), dict(assembly="one_pass"), dict(grad_clip=0.0)):
+    for bad in (dict(grad_norms="full"), dict(assembly="one_pass"), dict(grad_clip=0.0), dict(fused_lm_head=1)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             vcpo.VCPOConfig(**bad)

@@ -21,6 +21,9 @@ class VCPOConfig(PolicyLossOptions):
     grad_norms: str = "exact"  # "exact" | "lm_head" | "length" | "uniform"
     assembly: str = "auto"  # "auto" | "bookkeeping" | "two_pass"
     grad_clip: Optional[float] = 1.0
+    # Log-probs through vcpo_kernels.linear_logprobs from the last hidden states and the LM head's weight,
+    # never the [B, T, V] logits (Hugging Face causal LMs; tied embeddings handled; docs/grad_norms.md).
+    fused_lm_head: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -30,6 +33,8 @@ class VCPOConfig(PolicyLossOptions):
             raise ValueError(f"grad_norms must be one of {list(GRAD_NORMS)}, got {self.grad_norms!r}")
         if self.assembly not in ASSEMBLY:
             raise ValueError(f"assembly must be one of {list(ASSEMBLY)}, got {self.assembly!r}")
+        if not isinstance(self.fused_lm_head, bool):
+            raise ValueError(f"fused_lm_head must be True or False, got {self.fused_lm_head!r}")
         if self.grad_clip is not None and not (isinstance(self.grad_clip, (int, float)) and self.grad_clip > 0):
             raise ValueError(f"grad_clip must be a number > 0 or None, got {self.grad_clip!r}")
 

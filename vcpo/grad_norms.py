@@ -285,6 +285,26 @@ class PerSequenceGradients:
                 total += _acc(g).flatten(1).pow(2).sum(1).double()
         return total
 
+    def embedding_inner(self, module: nn.Embedding, rows: Tensor) -> Tensor:
+        """[B] float64: <g_i, M_i> for the per-sequence gradient g_i of the recorded embedding `module`'s
+        weight and matrices M_i given by their rows at the embedding's input ids, rows[i, t] = M_i[ids[i, t]]
+        (padded layout): sum_t <d out_it, rows[i, t]>. With M_i another use's per-sequence gradient of a shared
+        weight this is their cross term, e.g. for an LM head computed outside the recorded modules."""
+        self._check_unfrozen()
+        total = torch.zeros(self.num_seqs, dtype=torch.float64, device=rows.device)
+        for rec, ids, grad, _ in self._uses():
+            if rec.module is not module:
+                continue
+            ids = self._rows(ids, ids=True)
+            if rows.shape[:2] != ids.shape:
+                raise ValueError(f"rows must be [B, T, d] over the embedding's {tuple(ids.shape)} ids, got "
+                                 f"{tuple(rows.shape)}")
+            b = _acc(self._rows(grad))
+            if module.padding_idx is not None:
+                b = b * (ids != module.padding_idx).unsqueeze(-1)
+            total += (b * rows.to(b.dtype)).sum((1, 2)).double()
+        return total
+
     def _single_use_norm(self, use) -> Tensor:
         kind, rec, x, grad, _ = use
         b = _acc(self._rows(grad))

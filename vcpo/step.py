@@ -12,6 +12,8 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+import vcpo_kernels as vk
+
 from .config import VCPOConfig
 from .grad_norms import PerSequenceGradients
 from .loss import policy_loss
@@ -49,6 +51,26 @@ def token_logp(logits: Tensor, targets: Tensor) -> Tensor:
     """log softmax(logits)[target], in fp32 at least (materialises the logits over the vocabulary)."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+# Config fields of models whose logits are not the plain LM head's output (softcapped or rescaled).
+_LOGIT_MODIFIERS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_logits_scale")
+
+
+def _fused_head_parts(model: nn.Module):
+    """(body returning the last hidden states, LM head, input embedding) of a Hugging Face causal LM."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    body = getattr(model, "base_model", None)
+    if not isinstance(head, nn.Linear) or body is None or body is model:
+        raise ValueError("fused_lm_head=True needs a Hugging Face causal LM whose get_output_embeddings() is an "
+                         f"nn.Linear and whose base_model returns the last hidden states; got {type(model).__name__}")
+    config = getattr(model, "config", None)
+    for name in _LOGIT_MODIFIERS:
+        if getattr(config, name, None) not in (None, 1, 1.0):
+            raise ValueError(f"fused_lm_head=True: {type(model).__name__} modifies its logits ({name} = "
+                             f"{getattr(config, name)!r}); use fused_lm_head=False")
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return body, head, embedding
 
 
 def _bookkeeping_exact(config: VCPOConfig, batch: RolloutBatch) -> bool:
@@ -98,18 +120,33 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch
     params = [p for p in model.parameters() if p.requires_grad]
 
     optimizer.zero_grad(set_to_none=True)
+    if config.fused_lm_head:
+        fused = _FusedHead(model, batch, mask, config, record)
+        psg_needed = config.grad_norms == "exact"  # the head's own norm comes from the fused op
+    else:
+        fused, psg_needed = None, record
     modules = None if config.grad_norms == "exact" else [model.get_output_embeddings()]
     recorder = (PerSequenceGradients(model, num_seqs=b, modules=modules, freeze_parameters=bookkeeping)
-                if record else nullcontext())
+                if psg_needed else nullcontext())
     with recorder as psg:
-        logits = model(input_ids=ids, attention_mask=batch.attention_mask).logits
-        logp = token_logp(logits[:, :-1], ids[:, 1:])
-        del logits
+        if fused is not None:
+            logp = fused.logp()
+        else:
+            logits = model(input_ids=ids, attention_mask=batch.attention_mask).logits
+            logp = token_logp(logits[:, :-1], ids[:, 1:])
+            del logits
         if record:  # the norm pass: sum_i sum_t log pi(y_it) back to the recorded layers, no weight gradients
-            psg.backward(torch.where(mask, logp, 0).sum(), retain_graph=not bookkeeping)
+            objective = torch.where(mask, logp, 0).sum()
+            if psg_needed:
+                psg.backward(objective, retain_graph=not bookkeeping)
+            else:  # the fused head alone: its backward adds the per-sequence norms
+                torch.autograd.grad(objective, fused.hidden, retain_graph=True)
     if record:
-        grad_sq_norm = psg.sq_norms().to(logp.dtype)
-        if not bookkeeping:
+        grad_sq_norm = psg.sq_norms() if psg_needed else 0
+        if fused is not None:
+            grad_sq_norm = grad_sq_norm + fused.head_sq_norms(psg if psg_needed else None)
+        grad_sq_norm = grad_sq_norm.to(logp.dtype)
+        if psg_needed and not bookkeeping:
             psg.release()
     elif config.grad_norms == "length":
         grad_sq_norm = mask.sum(1).to(logp.dtype)
@@ -129,6 +166,8 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch
         k = (dlogp * mask).sum(1) / mask.sum(1).clamp(min=1)
         psg.assemble(k.double())
         psg.release()
+        if fused is not None:
+            fused.head_backward(dlogp)
     else:
         logp.backward(dlogp)
     if process_group is not None:
@@ -148,3 +187,53 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch
     with scale_lr(optimizer, lr_scale):
         optimizer.step()
     return metrics
+
+
+class _FusedHead:
+    """The LM head through vcpo_kernels.linear_logprobs (config.fused_lm_head): log-probs from the last hidden
+    states without the [B, T, V] logits. With per-sequence norms the op's backward adds each sequence's
+    ||d W_i||^2 + ||d b_i||^2 and, for a head tied to the input embedding, the rows of d W_i at the
+    sequence's input ids, from which the cross term <g_emb_i, g_head_i> follows (docs/grad_norms.md)."""
+
+    def __init__(self, model: nn.Module, batch: RolloutBatch, mask: Tensor, config: VCPOConfig, record: bool):
+        self.body, self.head, self.embedding = _fused_head_parts(model)
+        self.batch, self.config = batch, config
+        b, t = batch.input_ids.shape
+        self.targets = torch.where(mask, batch.input_ids[:, 1:], -100).reshape(-1)  # uncounted: no gradient
+        self.tied = self.embedding is not None and self.embedding.weight is self.head.weight
+        self.sq = self.rows = None
+        if record:
+            self.cu = torch.arange(b + 1, device=mask.device) * (t - 1)
+            self.sq = torch.zeros(b, dtype=torch.float64, device=mask.device)
+        self.hidden = None
+
+    def logp(self) -> Tensor:
+        ids = self.batch.input_ids
+        b, t = ids.shape
+        self.hidden = self.body(input_ids=ids, attention_mask=self.batch.attention_mask).last_hidden_state
+        record_rows = self.sq is not None and self.tied and self.config.grad_norms == "exact"
+        if record_rows:  # d W_i at the input ids: the embedding's rows of the shared weight
+            dt = torch.promote_types(self.hidden.dtype, torch.float32)
+            self.rows = torch.zeros(b, t, self.hidden.shape[-1], dtype=dt, device=ids.device)
+        out = vk.linear_logprobs(
+            self.hidden[:, :-1].reshape(-1, self.hidden.shape[-1]), self.head.weight, self.targets,
+            bias=self.head.bias, cu_seqlens=None if self.sq is None else self.cu, seq_grad_sq_norm=self.sq,
+            seq_grad_row_ids=ids if record_rows else None, seq_grad_rows=self.rows, validate=False,
+            backend=self.config.backend)
+        return out.logp.view(b, t - 1)
+
+    def head_sq_norms(self, psg: Optional[PerSequenceGradients]) -> Tensor:
+        """The head's squared per-sequence norms, plus twice the cross term with a tied embedding's gradient
+        (psg recorded the embedding)."""
+        total = self.sq
+        if self.rows is not None:
+            total = total + 2 * psg.embedding_inner(self.embedding, self.rows)
+        return total
+
+    def head_backward(self, dlogp: Tensor) -> None:
+        """The head's weight and bias gradients for upstream dlogp [B, T-1] (book-keeping rebuilt the rest),
+        from a second pass of the op over the saved hidden states."""
+        h = self.hidden[:, :-1].detach().reshape(-1, self.hidden.shape[-1])
+        out = vk.linear_logprobs(h, self.head.weight, self.targets, bias=self.head.bias, validate=False,
+                                 backend=self.config.backend)
+        out.logp.backward(dlogp.reshape(-1).to(out.logp.dtype))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from . import reference
@@ -14,6 +16,16 @@ except ImportError as exc:  # the C++ extension was not built
     _cpu, _CPU_ERROR = None, str(exc)
 
 BACKENDS = ("auto", "torch", "cpu", "triton", "cuda")
+
+
+def _triton():
+    """The Triton backend module, or an error message: it runs CUDA tensors, and CPU tensors under the
+    interpreter (TRITON_INTERPRET=1)."""
+    try:
+        from . import triton as module
+    except ImportError as exc:
+        return None, f"triton is not installed ({exc})"
+    return module, None
 
 
 def available_backends(device: torch.device | str = "cpu") -> list[str]:
@@ -35,4 +47,22 @@ def resolve(backend: str, device: torch.device):
         if _cpu is None:
             raise ValueError(f"backend='cpu' is not available: the C++ extension failed to load ({_CPU_ERROR})")
         return _cpu
+    if backend == "triton":
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
+        module, error = _triton()
+        if module is None:
+            raise ValueError(f"backend='triton' is not available: {error}")
+        return module
     raise ValueError(f"backend={backend!r} is not available in this build (available: 'torch', 'cpu')")
+
+
+def kernel(op: str, backend: str, device: torch.device):
+    """The function computing `op` with `backend` on `device`; "auto" falls back to the reference where the
+    chosen backend has no kernel for `op`."""
+    fn = getattr(resolve(backend, device), op, None)
+    if fn is None:
+        if backend != "auto":
+            raise ValueError(f"{op} has no {backend!r} kernel yet; use backend='torch' or 'auto'")
+        fn = getattr(reference, op)
+    return fn

@@ -87,8 +87,8 @@ def sequence_stats(
 ) -> SequenceStats:
     """Per-sequence log IS weight s_i, counted length L_i and K3 sum, in one pass over the tokens."""
     tokens = token_batch(logp, behavior_logp, old_logp, mask, cu_seqlens, _validating(validate))
-    impl = backends.resolve(backend, tokens.logp.device)
-    return SequenceStats(*impl.sequence_stats(tokens))
+    kernel = backends.kernel("sequence_stats", backend, tokens.logp.device)
+    return SequenceStats(*kernel(tokens))
 
 
 def _log_weight_tensor(seq_log_weight) -> Tensor:
@@ -117,8 +117,8 @@ def effective_sample_size(
     opts = PolicyLossOptions(ess_base_ratio=ess_base_ratio, lr_rule=lr_rule)
     lw = _log_weight_tensor(seq_log_weight)
     length = _seq_length_tensor(seq_length, lw, _validating(validate))
-    impl = backends.resolve(backend, lw.device)
-    return EffectiveSampleSize(*impl.effective_sample_size(lw, length, opts.ess_base_ratio, opts.lr_rule))
+    kernel = backends.kernel("effective_sample_size", backend, lw.device)
+    return EffectiveSampleSize(*kernel(lw, length, opts.ess_base_ratio, opts.lr_rule))
 
 
 def opob_baseline(
@@ -144,8 +144,8 @@ def opob_baseline(
     length = _seq_length_tensor(seq_length, lw, check)
     if length_norm and length is None:
         raise ValueError("length_norm=True needs seq_length")
-    impl = backends.resolve(backend, device)
-    return Baseline(*impl.opob_baseline(r, lw, gsq, g, length, ng, bool(length_norm), bool(norm_by_std)))
+    kernel = backends.kernel("opob_baseline", backend, device)
+    return Baseline(*kernel(r, lw, gsq, g, length, ng, bool(length_norm), bool(norm_by_std)))
 
 
 _DEFAULT_OPTIONS = PolicyLossOptions()
@@ -187,8 +187,8 @@ def policy_loss(
         if tokens.padded_length is None:
             raise ValueError("norm_length is required for loss_agg_mode='seq-mean-token-sum-norm' with packed input")
         norm_length = max(tokens.padded_length, 1)
-    impl = backends.resolve(backend, tokens.logp.device)
-    loss, scalars, baseline, adv, s = impl.policy_loss(tokens, seq, opts, norm_length)
+    kernel = backends.kernel("policy_loss", backend, tokens.logp.device)
+    loss, scalars, baseline, adv, s = kernel(tokens, seq, opts, norm_length)
     stats = dict(zip(SCALAR_FIELDS, scalars.unbind(0)))
     return PolicyLossResult(loss=loss, baseline=baseline, advantages=adv, seq_log_weight=s, **stats)
 
@@ -212,6 +212,8 @@ def linear_logprobs(
     return_sum_p2: bool = False,
     cu_seqlens: Optional[Tensor] = None,
     seq_grad_sq_norm: Optional[Tensor] = None,
+    seq_grad_row_ids: Optional[Tensor] = None,
+    seq_grad_rows: Optional[Tensor] = None,
     chunk_size: Optional[int] = None,
     validate: bool = True,
     backend: str = "auto",
@@ -219,7 +221,10 @@ def linear_logprobs(
     """log softmax((hidden @ weight.T + bias) / temperature)[targets] per token, without materialising the
     N x V logits (chunks of `chunk_size` tokens; default: 16M logits a chunk). Autograd to hidden,
     weight and bias from any upstream gradient of every output. `seq_grad_sq_norm` ([B], with `cu_seqlens`):
-    the backward adds each sequence's squared norm of the weight (and bias) gradient to it."""
+    the backward adds each sequence's squared norm of the weight (and bias) gradient to it. `seq_grad_rows`
+    ([B, K, H], with `seq_grad_row_ids` [B, K] and `cu_seqlens`): the backward adds row
+    `seq_grad_row_ids[i, k]` of sequence i's weight gradient to `seq_grad_rows[i, k]` (the inner product with
+    a tied embedding's per-sequence gradient needs the rows at its input ids)."""
     hidden = _require_tensor("hidden", hidden)
     weight = _require_tensor("weight", weight)
     targets = _require_tensor("targets", targets)
@@ -242,31 +247,43 @@ def linear_logprobs(
         chunk_size = max(1, (16 << 20) // max(v, 1))  # 64 MiB of fp32 logits a chunk
     elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
-    if seq_grad_sq_norm is not None:
+    per_seq = seq_grad_sq_norm is not None or seq_grad_rows is not None
+    if (seq_grad_rows is None) != (seq_grad_row_ids is None):
+        raise ValueError("seq_grad_rows and seq_grad_row_ids go together")
+    if per_seq:
         if cu_seqlens is None:
-            raise ValueError("seq_grad_sq_norm needs cu_seqlens (the sequence boundaries)")
+            raise ValueError("seq_grad_sq_norm and seq_grad_rows need cu_seqlens (the sequence boundaries)")
         cu_seqlens = _require_tensor("cu_seqlens", cu_seqlens)
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"cu_seqlens must be a 1-D int tensor [B+1], got {cu_seqlens.dtype} "
                              f"{tuple(cu_seqlens.shape)}")
-        if seq_grad_sq_norm.shape != (cu_seqlens.numel() - 1,) or not seq_grad_sq_norm.is_floating_point():
-            raise ValueError(f"seq_grad_sq_norm must be a float tensor of shape [B] = [{cu_seqlens.numel() - 1}]")
+        b = cu_seqlens.numel() - 1
+        if seq_grad_sq_norm is not None and (seq_grad_sq_norm.shape != (b,) or
+                                             not seq_grad_sq_norm.is_floating_point()):
+            raise ValueError(f"seq_grad_sq_norm must be a float tensor of shape [B] = [{b}]")
+        if seq_grad_rows is not None:
+            ids = _require_tensor("seq_grad_row_ids", seq_grad_row_ids)
+            if ids.dim() != 2 or ids.shape[0] != b or ids.dtype not in (torch.int32, torch.int64):
+                raise ValueError(f"seq_grad_row_ids must be an int tensor [B, K] with B = {b}, got {ids.dtype} "
+                                 f"{tuple(ids.shape)}")
+            want = (b, ids.shape[1], hidden.shape[1])
+            if seq_grad_rows.shape != want or not seq_grad_rows.is_floating_point():
+                raise ValueError(f"seq_grad_rows must be a float tensor of shape [B, K, H] = {list(want)}, got "
+                                 f"{seq_grad_rows.dtype} {tuple(seq_grad_rows.shape)}")
     elif cu_seqlens is not None:
-        raise ValueError("cu_seqlens is only used with seq_grad_sq_norm")
+        raise ValueError("cu_seqlens is only used with seq_grad_sq_norm or seq_grad_rows")
     if _validating(validate):
         bad = (targets != ignore_index) & ((targets < 0) | (targets >= v))
         if bool(bad.any()):
             raise ValueError(f"targets must be in [0, V) = [0, {v}) or ignore_index ({ignore_index})")
-        if seq_grad_sq_norm is not None:
+        if seq_grad_rows is not None and bool(((seq_grad_row_ids < 0) | (seq_grad_row_ids >= v)).any()):
+            raise ValueError(f"seq_grad_row_ids must be in [0, V) = [0, {v})")
+        if per_seq:
             cu = cu_seqlens.tolist()
             if cu[0] != 0 or cu[-1] != n or any(a > b for a, b in zip(cu, cu[1:])):
                 raise ValueError(f"cu_seqlens must rise from 0 to N = {n}, got {cu}")
-    impl = backends.resolve(backend, hidden.device)
-    if not hasattr(impl, "linear_logprobs"):
-        if backend != "auto":
-            raise ValueError(f"linear_logprobs has no {backend!r} kernel yet; use backend='torch'")
-        impl = backends.reference
-    logp, entropy, sum_p2 = impl.linear_logprobs(hidden, weight, targets, bias, float(temperature), ignore_index,
-                                                 chunk_size, return_entropy, return_sum_p2, cu_seqlens,
-                                                 seq_grad_sq_norm)
+    kernel = backends.kernel("linear_logprobs", backend, hidden.device)
+    logp, entropy, sum_p2 = kernel(hidden, weight, targets.long(), bias, float(temperature), ignore_index,
+                                   chunk_size, return_entropy, return_sum_p2, cu_seqlens, seq_grad_sq_norm,
+                                   seq_grad_row_ids, seq_grad_rows)
     return LinearLogprobs(logp, entropy, sum_p2)

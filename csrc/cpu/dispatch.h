@@ -51,4 +51,20 @@ void token_pass(const TokenView& v, int64_t first, int64_t last, const acc_t* ad
   generic::token_pass_range<WriteGrad, false, lp_t, ref_t, acc_t>(v, first, last, adv, grad_scale, p, sums, grad);
 }
 
+template <typename acc_t>
+void logit_rows_forward(const LogitRows<acc_t>& r, int64_t first, int64_t last, const RowStats<acc_t>& out) {
+#ifdef VCPO_HAS_AVX2_BUILD
+  if (use_avx2()) return avx2::logit_rows_forward<acc_t>(r, first, last, out);
+#endif
+  generic::logit_rows_forward<acc_t>(r, first, last, out);
+}
+
+template <typename acc_t>
+void logit_rows_backward(const LogitRows<acc_t>& r, int64_t first, int64_t last, const RowGrads<acc_t>& g) {
+#ifdef VCPO_HAS_AVX2_BUILD
+  if (use_avx2()) return avx2::logit_rows_backward<acc_t>(r, first, last, g);
+#endif
+  generic::logit_rows_backward<acc_t>(r, first, last, g);
+}
+
 }  // namespace vcpo

@@ -233,6 +233,66 @@ Tensor policy_loss_backward_cpu(const Tensor& grad_loss, const Tensor& logp, con
   return grad;
 }
 
+template <typename acc_t>
+LogitRows<acc_t> logit_rows(const Tensor& logits, const Tensor& targets, int64_t ignore_index) {
+  const int64_t n = logits.size(0), vocab = logits.size(1);
+  const int64_t* y = targets.data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t) {
+    TORCH_CHECK(y[t] == ignore_index || (y[t] >= 0 && y[t] < vocab), "vcpo: targets must lie in [0, V) or be ",
+                "ignore_index");
+  }
+  return LogitRows<acc_t>{logits.data_ptr<acc_t>(), n, vocab, y, ignore_index};
+}
+
+void check_logits(const Tensor& logits, const Tensor& targets) {
+  check_cpu_contiguous(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2, "vcpo: logits must be [n, V]");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kDouble,
+              "vcpo: logits must be float32 or float64");
+  check_seq(targets, "targets", logits.size(0), at::kLong);
+}
+
+// Rows per task: a row is V elements, so a few rows already amortise a task.
+constexpr int64_t kRowsPerTask = 4;
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> logit_rows_forward_cpu(const Tensor& logits, const Tensor& targets,
+                                                                  int64_t ignore_index) {
+  check_logits(logits, targets);
+  const int64_t n = logits.size(0);
+  const auto opts = logits.options();
+  Tensor lse = at::empty({n}, opts), logp = at::empty({n}, opts), entropy = at::empty({n}, opts),
+         sum_p2 = at::empty({n}, opts);
+  AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "vcpo_logit_rows_forward", [&] {
+    const auto rows = logit_rows<scalar_t>(logits, targets, ignore_index);
+    const RowStats<scalar_t> out{lse.data_ptr<scalar_t>(), logp.data_ptr<scalar_t>(), entropy.data_ptr<scalar_t>(),
+                                 sum_p2.data_ptr<scalar_t>()};
+    at::parallel_for(0, n, kRowsPerTask, [&](int64_t a, int64_t b) { logit_rows_forward(rows, a, b, out); });
+  });
+  return {lse, logp, entropy, sum_p2};
+}
+
+void logit_rows_backward_cpu(const Tensor& logits, const Tensor& lse, const Tensor& targets, int64_t ignore_index,
+                             const OptTensor& g_logp, const OptTensor& g_entropy, const OptTensor& g_sum_p2,
+                             const OptTensor& entropy, const OptTensor& sum_p2, double scale) {
+  check_logits(logits, targets);
+  const int64_t n = logits.size(0);
+  const auto dtype = logits.scalar_type();
+  check_seq(lse, "lse", n, dtype);
+  for (const auto& [t, name] : {std::pair{&g_logp, "g_logp"}, {&g_entropy, "g_entropy"}, {&g_sum_p2, "g_sum_p2"},
+                                {&entropy, "entropy"}, {&sum_p2, "sum_p2"}}) {
+    check_seq(*t, name, n, dtype);
+  }
+  TORCH_CHECK(!g_entropy || entropy, "vcpo: g_entropy needs the forward's entropy");
+  TORCH_CHECK(!g_sum_p2 || sum_p2, "vcpo: g_sum_p2 needs the forward's sum_p2");
+  AT_DISPATCH_FLOATING_TYPES(dtype, "vcpo_logit_rows_backward", [&] {
+    const auto rows = logit_rows<scalar_t>(logits, targets, ignore_index);
+    const RowGrads<scalar_t> g{lse.data_ptr<scalar_t>(),     opt_ptr<scalar_t>(g_logp),  opt_ptr<scalar_t>(g_entropy),
+                               opt_ptr<scalar_t>(g_sum_p2), opt_ptr<scalar_t>(entropy), opt_ptr<scalar_t>(sum_p2),
+                               static_cast<scalar_t>(scale)};
+    at::parallel_for(0, n, kRowsPerTask, [&](int64_t a, int64_t b) { logit_rows_backward(rows, a, b, g); });
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(vcpo, CPU, m) {
@@ -241,6 +301,8 @@ TORCH_LIBRARY_IMPL(vcpo, CPU, m) {
   m.impl("opob_baseline", &opob_baseline_cpu);
   m.impl("policy_loss", &policy_loss_cpu);
   m.impl("policy_loss_backward", &policy_loss_backward_cpu);
+  m.impl("logit_rows_forward", &logit_rows_forward_cpu);
+  m.impl("logit_rows_backward", &logit_rows_backward_cpu);
 }
 
 }  // namespace vcpo

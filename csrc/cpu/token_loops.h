@@ -3,6 +3,7 @@
 // builds never share a symbol; dispatch.h declares them and picks one at run time.
 #pragma once
 
+#include "logit_rows.h"
 #include "sequence_stats.h"
 #include "token_pass.h"
 
@@ -16,6 +17,10 @@
   void token_pass_range(const TokenView& v, int64_t first, int64_t last, const acc_t* adv,                  \
                         const acc_t* grad_scale, const LossParams<acc_t>& p, const TokenSums<acc_t>& sums, \
                         lp_t* grad);                                                                        \
+  template <typename acc_t>                                                                                 \
+  void logit_rows_forward(const LogitRows<acc_t>& r, int64_t first, int64_t last, const RowStats<acc_t>& out); \
+  template <typename acc_t>                                                                                 \
+  void logit_rows_backward(const LogitRows<acc_t>& r, int64_t first, int64_t last, const RowGrads<acc_t>& g); \
   }                                                                                                         \
   }
 
@@ -30,7 +35,12 @@
   template void token_pass_range<W, TL, LP, REF, ACC>(const TokenView&, int64_t, int64_t, const ACC*,      \
                                                       const ACC*, const LossParams<ACC>&,                   \
                                                       const TokenSums<ACC>&, LP*);
+#define VCPO_INSTANTIATE_LOGIT_ROWS(ACC)                                                                    \
+  template void logit_rows_forward<ACC>(const LogitRows<ACC>&, int64_t, int64_t, const RowStats<ACC>&);  \
+  template void logit_rows_backward<ACC>(const LogitRows<ACC>&, int64_t, int64_t, const RowGrads<ACC>&);
 #define VCPO_INSTANTIATE_LOOPS()                                  \
+  VCPO_INSTANTIATE_LOGIT_ROWS(float)                              \
+  VCPO_INSTANTIATE_LOGIT_ROWS(double)                             \
   VCPO_INSTANTIATE_LOOPS_FOR(float, float, float)                 \
   VCPO_INSTANTIATE_LOOPS_FOR(double, double, double)              \
   VCPO_INSTANTIATE_LOOPS_FOR(double, float, double)               \

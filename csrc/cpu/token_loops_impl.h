@@ -32,6 +32,16 @@ void token_pass_range(const TokenView& v, int64_t first, int64_t last, const acc
   }
 }
 
+template <typename acc_t>
+void logit_rows_forward(const LogitRows<acc_t>& r, int64_t first, int64_t last, const RowStats<acc_t>& out) {
+  for (int64_t t = first; t < last; ++t) logit_row_forward(r, t, out);
+}
+
+template <typename acc_t>
+void logit_rows_backward(const LogitRows<acc_t>& r, int64_t first, int64_t last, const RowGrads<acc_t>& g) {
+  for (int64_t t = first; t < last; ++t) logit_row_backward(r, t, g);
+}
+
 VCPO_INSTANTIATE_LOOPS()
 
 }  // namespace VCPO_ISA

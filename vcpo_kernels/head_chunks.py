@@ -1,0 +1,135 @@
+"""The chunk loop of linear_logprobs (docs/contract.md, "Log-probs from hidden states"), shared by every
+backend: the GEMMs are torch's (BLAS, cuBLAS); a backend supplies the two passes over a chunk's logits
+z [n, V] as RowPasses:
+
+    forward(z, targets, ignore_index) -> (lse, logp, entropy, sum_p2)   [n] each, z's dtype
+    backward_(z, lse, targets, ignore_index, g_logp, g_entropy, g_sum_p2, entropy, sum_p2, scale) -> z
+
+the second overwriting z with d z * scale (0 on ignored rows). The forward keeps lse (and the entropy and
+sum p^2 when they are outputs, which the backward's d z needs); the backward recomputes each chunk's logits.
+With per-sequence norms the backward walks the tokens a sequence at a time (spans never cross a sequence)."""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+
+class RowPasses(NamedTuple):
+    forward: Callable
+    backward_: Callable
+
+
+def compute_dtype(*tensors: Optional[Tensor]) -> torch.dtype:
+    """fp64 when any input is fp64, else fp32: the logits and their reductions are formed in it."""
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _logits(h: Tensor, w: Tensor, b: Optional[Tensor], inv_t: float) -> Tensor:
+    z = torch.mm(h, w.T) if b is None else torch.addmm(b, h, w.T)
+    return z.mul_(inv_t) if inv_t != 1.0 else z
+
+
+def _spans(n: int, bounds: Optional[list], chunk: int):
+    """(start, end, sequence, ends the sequence) spans of at most `chunk` tokens; with sequence bounds they
+    never cross a sequence boundary."""
+    if bounds is None:
+        for s in range(0, n, chunk):
+            yield s, min(s + chunk, n), None, False
+        return
+    for i in range(len(bounds) - 1):
+        for s in range(bounds[i], bounds[i + 1], chunk):
+            e = min(s + chunk, bounds[i + 1])
+            yield s, e, i, e == bounds[i + 1]
+
+
+class ChunkedLinearLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, hidden, weight, bias, targets, inv_t, ignore_index, chunk, want_entropy, want_p2,
+                cu_seqlens, seq_sq_norm, row_ids, seq_rows):
+        dt = compute_dtype(hidden, weight, bias)
+        w, b = weight.to(dt), None if bias is None else bias.to(dt)
+        n = hidden.shape[0]
+        lse, logp = hidden.new_empty(n, dtype=dt), hidden.new_empty(n, dtype=dt)
+        entropy = hidden.new_empty(n, dtype=dt) if want_entropy else None
+        sum_p2 = hidden.new_empty(n, dtype=dt) if want_p2 else None
+        for s, e, _, _ in _spans(n, None, chunk):
+            z = _logits(hidden[s:e].to(dt), w, b, inv_t)
+            l, lp, ent, p2 = rows.forward(z, targets[s:e], ignore_index)
+            lse[s:e], logp[s:e] = l, lp
+            if want_entropy:
+                entropy[s:e] = ent
+            if want_p2:
+                sum_p2[s:e] = p2
+        ctx.rows = rows
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, sum_p2)
+        # the per-sequence accumulators are written by the backward: kept outside autograd's version checks
+        ctx.per_seq = (cu_seqlens, seq_sq_norm, row_ids, seq_rows)
+        ctx.config = (inv_t, ignore_index, chunk)
+        ctx.mark_non_differentiable(lse)
+        return logp, entropy, sum_p2
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent, g_p2):
+        hidden, weight, bias, targets, lse, entropy, sum_p2 = ctx.saved_tensors
+        cu_seqlens, seq_sq_norm, row_ids, seq_rows = ctx.per_seq
+        inv_t, ignore_index, chunk = ctx.config
+        dt = lse.dtype
+        w, b = weight.to(dt), None if bias is None else bias.to(dt)
+        n = hidden.shape[0]
+        need_h, need_w, need_b = ctx.needs_input_grad[1:4]  # a frozen head or input skips its GEMM
+        d_hidden = hidden.new_empty(hidden.shape, dtype=dt) if need_h else None
+        d_weight = torch.zeros(weight.shape, dtype=dt, device=weight.device) if need_w else None
+        d_bias = torch.zeros(bias.shape, dtype=dt, device=bias.device) if need_b else None
+        # Per-sequence outputs are added by the first backward only: a later one (the loss's, after a norm
+        # pass through the same graph) needs the summed gradients alone.
+        per_seq = (seq_sq_norm is not None or seq_rows is not None) and not getattr(ctx, "per_seq_done", False)
+        ctx.per_seq_done = True
+        bounds = cu_seqlens.tolist() if per_seq else None  # one host read of the sequence bounds
+        grads = [None if g is None else g.to(dt).contiguous() for g in (g_logp, g_ent, g_p2)]
+        open_seq = None  # (sequence, its d W and d b so far) while a sequence spans several chunks
+        for s, e, seq, seq_ends in _spans(n, bounds, chunk):
+            h = hidden[s:e].to(dt)
+            z = _logits(h, w, b, inv_t)
+            dz = ctx.rows.backward_(
+                z, lse[s:e], targets[s:e], ignore_index, *(None if g is None else g[s:e] for g in grads),
+                None if entropy is None else entropy[s:e], None if sum_p2 is None else sum_p2[s:e], inv_t)
+            if need_h:
+                torch.mm(dz, w, out=d_hidden[s:e])
+            db = dz.sum(0) if bias is not None and (need_b or per_seq) else None
+            if need_b:
+                d_bias += db
+            if not per_seq:
+                if need_w:
+                    d_weight.addmm_(dz.T, h)  # no [V, H] temporary
+                continue
+            dw = dz.T @ h  # this span's part of the sequence's d W
+            if need_w:
+                d_weight += dw
+            if open_seq is not None and open_seq[0] == seq:  # a sequence longer than a chunk
+                dw, db = open_seq[1].add_(dw), None if db is None else open_seq[2].add_(db)
+            if not seq_ends:
+                open_seq = (seq, dw, db)
+                continue
+            open_seq = None
+            if seq_sq_norm is not None:
+                sq = dw.pow(2).sum() + (0 if db is None else db.pow(2).sum())
+                seq_sq_norm[seq] += sq.to(seq_sq_norm.dtype)
+            if seq_rows is not None:  # rows of this sequence's d W, e.g. at its input ids for a tied embedding
+                seq_rows[seq] += dw[row_ids[seq]].to(seq_rows.dtype)
+        return (None,
+                None if d_hidden is None else d_hidden.to(hidden.dtype),
+                None if d_weight is None else d_weight.to(weight.dtype),
+                None if d_bias is None else d_bias.to(bias.dtype)) + (None,) * 10
+
+
+def linear_logprobs(rows: RowPasses, hidden: Tensor, weight: Tensor, targets: Tensor, bias: Optional[Tensor],
+                    temperature: float, ignore_index: int, chunk_size: int, return_entropy: bool,
+                    return_sum_p2: bool, cu_seqlens: Optional[Tensor], seq_grad_sq_norm: Optional[Tensor],
+                    seq_grad_row_ids: Optional[Tensor], seq_grad_rows: Optional[Tensor]):
+    """(logp, entropy or None, sum_p2 or None) in the compute dtype, with `rows` the backend's passes."""
+    return ChunkedLinearLogprobs.apply(rows, hidden, weight, bias, targets, 1.0 / temperature, ignore_index,
+                                       chunk_size, return_entropy, return_sum_p2, cu_seqlens, seq_grad_sq_norm,
+                                       seq_grad_row_ids, seq_grad_rows)
