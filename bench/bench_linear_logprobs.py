@@ -13,21 +13,14 @@ read). Rounds of the cases are interleaved; medians and minimums of the per-roun
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
 import time
 
+from memory import peak_rss_mib, rss_mib
+
 CASES = ("eager", "compile", "vcpo torch", "vcpo cpu")
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def child(case: str, n: int, h: int, v: int, reps: int) -> None:
@@ -54,13 +47,13 @@ def child(case: str, n: int, h: int, v: int, reps: int) -> None:
         (lp * upstream).sum().backward()
 
     run()  # warm-up (and compilation)
-    base = _rss_mib()  # inputs, their gradient buffers and whatever the warm-up left resident
+    base = rss_mib()  # inputs, their gradient buffers and whatever the warm-up left resident
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         run()
         times.append(time.perf_counter() - t0)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = peak_rss_mib()
     print(json.dumps({"times": times, "peak_over_inputs_mib": peak - base}))
 
 

@@ -2,6 +2,9 @@
 one-member groups, extreme and non-finite log ratios."""
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -136,7 +139,25 @@ def test_masked_values_are_never_read(backend):
 @pytest.mark.parametrize("backend", COMPILED_BACKENDS)
 def test_unvalidated_bad_offsets_and_groups_fail_safely(backend):
     """validate=False skips the Python value checks; the C++ op still refuses what would read or write out of
-    bounds (a RuntimeError, not a crash)."""
+    bounds (a RuntimeError, not a crash). The Triton kernels cannot raise without a host sync: they clip every
+    index to its tensor instead, so the same calls finish (in a subprocess: an out-of-bounds access under the
+    interpreter kills the process)."""
+    if backend == "triton":
+        script = (
+            "import torch, vcpo_kernels as vk\n"
+            "logp = -torch.rand(6)\n"
+            "vk.policy_loss(logp, logp.clone(), cu_seqlens=torch.tensor([10**12, 10**12 + 3, 10**12 + 6]), rewards=torch.rand(2),"
+            " backend='triton', validate=False)\n"
+            "vk.policy_loss(logp.reshape(2, 3).requires_grad_(), logp.reshape(2, 3).clone(), rewards=torch.rand(2),"
+            " group_index=torch.tensor([0, 10**12]), num_groups=2, backend='triton', validate=False)"
+            ".loss.backward()\n"
+            "vk.opob_baseline(torch.rand(2), torch.zeros(2), group_index=torch.tensor([0, -1]), num_groups=2,"
+            " backend='triton', validate=False)\n"
+            "print('finished')\n")
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                                env={**os.environ, "TRITON_INTERPRET": "1"})
+        assert result.returncode == 0 and "finished" in result.stdout, result.stderr[-2000:]
+        return
     logp = -torch.rand(6)
     with pytest.raises(RuntimeError, match="cu_seqlens"):
         vk.policy_loss(logp, logp.clone(), cu_seqlens=torch.tensor([0, 4000, 6]), rewards=torch.rand(2),

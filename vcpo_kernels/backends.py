@@ -28,9 +28,17 @@ def _triton():
     return module, None
 
 
+def _triton_runs_on(device: torch.device) -> bool:
+    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
 def available_backends(device: torch.device | str = "cpu") -> list[str]:
+    """The backends that can run on `device`: "triton" on CPU tensors only under the Triton interpreter."""
     device = torch.device(device)
-    return ["torch"] + (["cpu"] if device.type == "cpu" and _cpu is not None else [])
+    names = ["torch"] + (["cpu"] if device.type == "cpu" and _cpu is not None else [])
+    if _triton_runs_on(device) and _triton()[0] is not None:
+        names.append("triton")
+    return names
 
 
 def resolve(backend: str, device: torch.device):
@@ -48,8 +56,9 @@ def resolve(backend: str, device: torch.device):
             raise ValueError(f"backend='cpu' is not available: the C++ extension failed to load ({_CPU_ERROR})")
         return _cpu
     if backend == "triton":
-        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
+        if not _triton_runs_on(device):
+            raise ValueError(f"backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors; got "
+                             f"tensors on {device}")
         module, error = _triton()
         if module is None:
             raise ValueError(f"backend='triton' is not available: {error}")

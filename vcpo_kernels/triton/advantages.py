@@ -1,0 +1,156 @@
+"""Group baselines and advantages of every estimator (docs/contract.md, "Advantages") in Triton, fp64:
+one program per group scans the B sequences for its members (no float atomics: deterministic), then one
+program per block of sequences writes the advantages."""
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_SEQS = 1024
+OPOB, GRPO, RLOO, REINFORCE, NONE = 0, 1, 2, 3, 4  # vcpo_kernels/options.py ADVANTAGES
+
+
+@triton.jit
+def opob_log_weight(s, log_hi, WEIGHT: tl.constexpr):
+    """The log weight OPOB squares: s (raw), min(s, log C) (truncated), or s + min(s, log C) (reference)."""
+    trunc = tl.where(s > log_hi, log_hi, s)
+    if WEIGHT == 1:
+        return trunc
+    if WEIGHT == 2:
+        return s + trunc
+    return s
+
+
+@triton.jit
+def group_members(i, n, g, g_ptr, len_ptr, HAS_GROUP: tl.constexpr, HAS_LEN: tl.constexpr):
+    """Which of the sequences i are valid members of group g."""
+    member = i < n
+    if HAS_GROUP:
+        member = member & (tl.load(g_ptr + i, mask=i < n, other=-1) == g)
+    if HAS_LEN:
+        member = member & (tl.load(len_ptr + i, mask=i < n, other=0.0) > 0)
+    return member
+
+
+@triton.jit
+def opob_log_w(i, member, lw_ptr, gsq_ptr, len_ptr, log_hi, HAS_GSQ: tl.constexpr, LENGTH_NORM: tl.constexpr,
+               WEIGHT: tl.constexpr):
+    """log W_i = 2 lw_i + log G_i (- 2 log L_i), fp64."""
+    log_w = 2.0 * opob_log_weight(tl.load(lw_ptr + i, mask=member, other=0.0).to(tl.float64), log_hi, WEIGHT)
+    if HAS_GSQ:
+        log_w += tl.log(tl.load(gsq_ptr + i, mask=member, other=1.0).to(tl.float64))
+    if LENGTH_NORM:
+        log_w -= 2.0 * tl.log(tl.load(len_ptr + i, mask=member, other=1.0).to(tl.float64))
+    return log_w
+
+
+@triton.jit
+def _group_stats(r_ptr, len_ptr, g_ptr, lw_ptr, gsq_ptr, stats_ptr, n, num_groups, log_hi,
+                 HAS_GROUP: tl.constexpr, HAS_LEN: tl.constexpr, IS_OPOB: tl.constexpr, HAS_GSQ: tl.constexpr,
+                 LENGTH_NORM: tl.constexpr, WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
+    # stats[:, g] = (count, mean, population variance, baseline) of group g's valid members
+    g = tl.program_id(0)
+    count = tl.zeros((), tl.float64)
+    total = tl.zeros((), tl.float64)
+    for start in range(0, n, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        member = group_members(i, n, g, g_ptr, len_ptr, HAS_GROUP, HAS_LEN)
+        count += tl.sum(member.to(tl.float64), 0)
+        total += tl.sum(tl.where(member, tl.load(r_ptr + i, mask=member, other=0.0).to(tl.float64), 0.0), 0)
+    mean = tl.where(count > 0, total / tl.maximum(count, 1.0), 0.0)
+    sq = tl.zeros((), tl.float64)
+    shift = tl.full((), float("-inf"), tl.float64)
+    for start in range(0, n, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        member = group_members(i, n, g, g_ptr, len_ptr, HAS_GROUP, HAS_LEN)
+        d = tl.where(member, tl.load(r_ptr + i, mask=member, other=0.0).to(tl.float64) - mean, 0.0)
+        sq += tl.sum(d * d, 0)
+        if IS_OPOB:
+            log_w = opob_log_w(i, member, lw_ptr, gsq_ptr, len_ptr, log_hi, HAS_GSQ, LENGTH_NORM, WEIGHT)
+            shift = tl.maximum(shift, tl.max(tl.where(member, log_w, float("-inf")), 0))
+    var = tl.where(count > 0, sq / tl.maximum(count, 1.0), 0.0)
+    baseline = mean
+    if IS_OPOB:
+        # b = mean + sum W (R - mean) / sum W, W = exp(log W - max): exact for one member or equal rewards
+        safe = tl.where((shift == shift) & (tl.abs(shift) < float("inf")), shift, 0.0)  # NaN/+inf propagate
+        sum_w = tl.zeros((), tl.float64)
+        sum_wd = tl.zeros((), tl.float64)
+        for start in range(0, n, BLOCK):
+            i = start + tl.arange(0, BLOCK)
+            member = group_members(i, n, g, g_ptr, len_ptr, HAS_GROUP, HAS_LEN)
+            log_w = opob_log_w(i, member, lw_ptr, gsq_ptr, len_ptr, log_hi, HAS_GSQ, LENGTH_NORM, WEIGHT)
+            w = tl.where(member, tl.exp(log_w - safe), 0.0)
+            r = tl.load(r_ptr + i, mask=member, other=0.0).to(tl.float64)
+            sum_w += tl.sum(w, 0)
+            sum_wd += tl.sum(tl.where(member, w * (r - mean), 0.0), 0)
+        baseline = tl.where(shift == float("-inf"), mean, mean + sum_wd / sum_w)  # every W = 0: plain mean
+    tl.store(stats_ptr + g, count)
+    tl.store(stats_ptr + num_groups + g, mean)
+    tl.store(stats_ptr + 2 * num_groups + g, var)
+    tl.store(stats_ptr + 3 * num_groups + g, baseline)
+
+
+@triton.jit
+def _advantages(r_ptr, len_ptr, g_ptr, stats_ptr, adv_ptr, n, num_groups, KIND: tl.constexpr,
+                NORM_BY_STD: tl.constexpr, HAS_GROUP: tl.constexpr, HAS_LEN: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = i < n
+    valid = inside
+    if HAS_LEN:
+        valid = valid & (tl.load(len_ptr + i, mask=inside, other=0.0) > 0)
+    g = tl.zeros((BLOCK,), tl.int64)
+    if HAS_GROUP:
+        g = tl.load(g_ptr + i, mask=inside, other=0)
+        g = tl.where((g >= 0) & (g < num_groups), g, 0)  # an unvalidated bad index must not read out of bounds
+    count = tl.load(stats_ptr + g, mask=inside, other=0.0)
+    mean = tl.load(stats_ptr + num_groups + g, mask=inside, other=0.0)
+    var = tl.load(stats_ptr + 2 * num_groups + g, mask=inside, other=0.0)
+    baseline = tl.load(stats_ptr + 3 * num_groups + g, mask=inside, other=0.0)
+    r = tl.load(r_ptr + i, mask=inside, other=0.0).to(tl.float64)
+    if KIND == 0:  # OPOB
+        a = r - baseline
+        if NORM_BY_STD:
+            sigma = tl.sqrt(var)
+            a = tl.where(sigma > 1e-8, a / sigma, a)
+    elif KIND == 1:  # GRPO
+        a = r - mean
+        if NORM_BY_STD:
+            std = tl.where(count > 1, tl.sqrt(var * count / tl.maximum(count - 1, 1.0)), 0.0)
+            a = a / (std + 1e-6)
+    elif KIND == 2:  # RLOO
+        a = tl.where(count > 1, (r - mean) * count / tl.maximum(count - 1, 1.0), 0.0)
+    elif KIND == 3:  # REINFORCE: the stats are of the whole batch, one group
+        a = r - mean
+    else:
+        a = r
+    tl.store(adv_ptr + i, tl.where(valid, a, 0.0).to(adv_ptr.dtype.element_ty), mask=inside)
+
+
+def advantages(kind: int, rewards, seq_length, group_index, num_groups: int, norm_by_std: bool, *,
+               log_weight=None, grad_sq_norm=None, length_norm=False, weight=0, log_hi=0.0):
+    """(b_g [num_groups], A_i [B]) in rewards' dtype; `log_weight` (and the OPOB options) for kind OPOB."""
+    n = rewards.numel()
+    device, dtype = rewards.device, rewards.dtype
+    groups = 1 if kind == REINFORCE else num_groups  # REINFORCE: one batch-wide baseline
+    group = None if kind == REINFORCE else group_index
+    stats = torch.empty((4, groups), dtype=torch.float64, device=device)
+    dummy = rewards
+    _group_stats[(groups,)](rewards, dummy if seq_length is None else seq_length, dummy if group is None else group,
+                            dummy if log_weight is None else log_weight,
+                            dummy if grad_sq_norm is None else grad_sq_norm, stats, n, groups, float(log_hi),
+                            HAS_GROUP=group is not None, HAS_LEN=seq_length is not None, IS_OPOB=kind == OPOB,
+                            HAS_GSQ=grad_sq_norm is not None, LENGTH_NORM=bool(length_norm), WEIGHT=weight,
+                            BLOCK=BLOCK_SEQS)
+    adv = torch.empty(n, dtype=dtype, device=device)
+    if n:
+        _advantages[(triton.cdiv(n, BLOCK_SEQS),)](
+            rewards, dummy if seq_length is None else seq_length, dummy if group is None else group, stats, adv, n,
+            groups, KIND=kind, NORM_BY_STD=bool(norm_by_std), HAS_GROUP=group is not None,
+            HAS_LEN=seq_length is not None, BLOCK=BLOCK_SEQS)
+    if kind == REINFORCE:
+        baseline = stats[3].expand(num_groups)
+    elif kind == NONE:
+        baseline = torch.zeros(num_groups, dtype=torch.float64, device=device)
+    else:
+        baseline = stats[3]
+    return baseline.to(dtype), adv

@@ -1,0 +1,289 @@
+"""The fused VCPO loss (docs/contract.md, "Loss") in Triton, forward and backward, with no host sync:
+
+1. per-chunk sums of the tokens, combined per sequence: s_i, L_i, k3_i (sequence_stats.py);
+2. one program over the B sequences: counts, ESS and lr scale, the aggregation weight a_i and the
+   sequence-level IS coefficient c_i, as grad_scale_i = a_i c_i (fp64 inside);
+3. the advantages (advantages.py);
+4. where r or c vary within a sequence (a proximal policy, token-level weights), one program per chunk
+   sums the token terms; a last program adds the chunks in order and writes the loss and the statistics;
+5. backward: one program per chunk writes d loss / d logp for each of its tokens."""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..inputs import SequenceBatch, TokenBatch
+from ..options import ADVANTAGES, IS_CORRECTIONS, IS_LEVELS, LOSS_AGG_MODES, LR_RULES, PolicyLossOptions
+from .advantages import OPOB, advantages
+from .effective_sample_size import ess_of
+from .segments import BLOCK, CHUNK, chunk_span
+from .sequence_stats import sequence_sums
+
+BLOCK_SEQS = 1024
+# work[]: what the batch program hands to the last one
+W_ESS, W_RATIO, W_LR, W_SEQ_CHANGED, W_SEQ_COEF, W_KL, W_TOKENS, W_SEQS, W_NONFINITE = range(9)
+
+
+@triton.jit
+def is_coef(lw, log_hi, log_lo, CORRECTION: tl.constexpr):
+    """The IS coefficient of a unit with log weight lw: exp(min(lw, log C)), 1[log C_low <= lw <= log C] or 1."""
+    if CORRECTION == 0:
+        return tl.exp(tl.where(lw > log_hi, log_hi, lw))
+    if CORRECTION == 1:
+        return tl.where((lw >= log_lo) & (lw <= log_hi), 1.0, 0.0)
+    return lw * 0.0 + 1.0
+
+
+@triton.jit
+def is_changed(lw, log_hi, log_lo, CORRECTION: tl.constexpr):
+    if CORRECTION == 0:
+        return tl.where(lw > log_hi, 1.0, 0.0)
+    if CORRECTION == 1:
+        return tl.where((lw >= log_lo) & (lw <= log_hi), 0.0, 1.0)
+    return lw * 0.0
+
+
+@triton.jit
+def _batch_step(s_ptr, len_ptr, kl_ptr, gs_ptr, work_ptr, n, log_hi, log_lo, base, norm_length,
+                ESS_TRUNC: tl.constexpr, RULE: tl.constexpr, LEVEL: tl.constexpr, CORRECTION: tl.constexpr,
+                AGG: tl.constexpr, BLOCK: tl.constexpr):
+    tokens = tl.zeros((), tl.float64)
+    seqs = tl.zeros((), tl.float64)
+    kl = tl.zeros((), tl.float64)
+    nonfinite = tl.zeros((), tl.float64)
+    for start in range(0, n, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        length = tl.load(len_ptr + i, mask=i < n, other=0.0).to(tl.float64)
+        valid = length > 0
+        s = tl.load(s_ptr + i, mask=valid, other=0.0).to(tl.float64)
+        tokens += tl.sum(tl.where(valid, length, 0.0), 0)
+        seqs += tl.sum(valid.to(tl.float64), 0)
+        kl += tl.sum(tl.where(valid, tl.load(kl_ptr + i, mask=valid, other=0.0).to(tl.float64), 0.0), 0)
+        finite = (s == s) & (tl.abs(s) < float("inf"))
+        nonfinite += tl.sum(tl.where(valid & ~finite, 1.0, 0.0), 0)
+    ess, ratio, lr = ess_of(s_ptr, len_ptr, n, log_hi, base, True, ESS_TRUNC, RULE, BLOCK)
+    changed = tl.zeros((), tl.float64)
+    coef_sum = tl.zeros((), tl.float64)
+    for start in range(0, n, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        length = tl.load(len_ptr + i, mask=i < n, other=0.0).to(tl.float64)
+        valid = length > 0
+        if AGG == 0:  # token-mean
+            a = 1.0 / tl.maximum(tokens, 1.0) + length * 0.0
+        elif AGG == 1:  # seq-mean-token-mean
+            a = 1.0 / (tl.maximum(seqs, 1.0) * tl.maximum(length, 1.0))
+        elif AGG == 2:  # seq-mean-token-sum
+            a = 1.0 / tl.maximum(seqs, 1.0) + length * 0.0
+        else:  # seq-mean-token-sum-norm
+            a = 1.0 / (tl.maximum(seqs, 1.0) * norm_length) + length * 0.0
+        c = length * 0.0 + 1.0
+        if LEVEL != 1:  # sequence or geometric: one coefficient per sequence
+            s = tl.load(s_ptr + i, mask=valid, other=0.0).to(tl.float64)
+            lw = s / tl.maximum(length, 1.0) if LEVEL == 2 else s
+            c = is_coef(lw, log_hi, log_lo, CORRECTION)
+            changed += tl.sum(tl.where(valid, is_changed(lw, log_hi, log_lo, CORRECTION), 0.0), 0)
+            coef_sum += tl.sum(tl.where(valid, c, 0.0), 0)
+        tl.store(gs_ptr + i, tl.where(valid, a * c, 0.0).to(gs_ptr.dtype.element_ty), mask=i < n)
+    tl.store(work_ptr + 0, ess)
+    tl.store(work_ptr + 1, ratio)
+    tl.store(work_ptr + 2, lr)
+    tl.store(work_ptr + 3, changed)
+    tl.store(work_ptr + 4, coef_sum)
+    tl.store(work_ptr + 5, kl)
+    tl.store(work_ptr + 6, tokens)
+    tl.store(work_ptr + 7, seqs)
+    tl.store(work_ptr + 8, nonfinite)
+
+
+@triton.jit
+def _token_pass(lp_ptr, mu_ptr, old_ptr, mask_ptr, cu_ptr, chunk_end_ptr, adv_ptr, gs_ptr, grad_loss_ptr,
+                part_ptr, grad_ptr, num_seqs, num_tokens, search_steps, log_hi, log_lo, ratio_lo, ratio_hi, dual_c,
+                HAS_OLD: tl.constexpr, HAS_MASK: tl.constexpr, TOKEN_LEVEL: tl.constexpr,
+                CORRECTION: tl.constexpr, CLIP: tl.constexpr, DUAL: tl.constexpr, WRITE_GRAD: tl.constexpr,
+                ACC64: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    # Forward (WRITE_GRAD False): the chunk's sums of c p(r), changed units, c and clipped tokens, the first
+    # times grad_scale. Backward: grad[t] = g grad_scale c (d p / d r) r, 0 where the token does not count.
+    acc_t = tl.float64 if ACC64 else tl.float32
+    pid = tl.program_id(0)
+    seq, first, last = chunk_span(pid, chunk_end_ptr, cu_ptr, num_seqs, num_tokens, search_steps, CHUNK)
+    if seq < num_seqs:
+        adv = tl.load(adv_ptr + seq).to(acc_t)
+        gs = tl.load(gs_ptr + seq).to(acc_t)
+        if WRITE_GRAD:
+            gs = gs * tl.load(grad_loss_ptr).to(acc_t)
+        gs_block = tl.zeros((BLOCK,), acc_t) + gs  # a block: the interpreter cannot OR a scalar into one
+        loss = tl.zeros((BLOCK,), acc_t)
+        changed = tl.zeros((BLOCK,), acc_t)
+        coef_sum = tl.zeros((BLOCK,), acc_t)
+        clipped = tl.zeros((BLOCK,), acc_t)
+        for start in range(first, last, BLOCK):
+            t = start + tl.arange(0, BLOCK)
+            inside = t < last
+            counted = inside
+            if HAS_MASK:
+                counted = counted & (tl.load(mask_ptr + t, mask=inside, other=0) != 0)
+            cur = tl.where(counted, tl.load(lp_ptr + t, mask=counted, other=0.0).to(acc_t), 0.0)
+            prox = cur
+            if HAS_OLD:
+                prox = tl.where(counted, tl.load(old_ptr + t, mask=counted, other=0.0).to(acc_t), 0.0)
+            c = cur * 0.0 + 1.0
+            if TOKEN_LEVEL:
+                d = tl.where(counted, prox - tl.load(mu_ptr + t, mask=counted, other=0.0).to(acc_t), 0.0)
+                c = is_coef(d, log_hi, log_lo, CORRECTION).to(acc_t)
+                changed += tl.where(counted, is_changed(d, log_hi, log_lo, CORRECTION), 0.0).to(acc_t)
+                coef_sum += tl.where(counted, c, 0.0)
+            # a unit the correction removed (c = 0) contributes exactly 0, even where r or A are not finite
+            dropped = (c == 0.0) | (gs_block == 0.0)
+            r = cur * 0.0 + 1.0
+            if HAS_OLD:
+                r = tl.exp(tl.where(dropped, 0.0, cur - prox))
+            p1 = -adv * r
+            val = p1
+            dval = p1 * 0.0 - adv
+            on_clip = t < 0  # all False
+            if CLIP:
+                rc = tl.where(r < ratio_lo, ratio_lo, tl.where(r > ratio_hi, ratio_hi, r))
+                p2 = -adv * rc
+                take_unclipped = p1 >= p2  # ties go to the unclipped branch
+                val = tl.where(take_unclipped, p1, p2)
+                dval = tl.where(take_unclipped, dval, 0.0)
+                on_clip = ~take_unclipped
+                if DUAL:
+                    limit = -adv * dual_c
+                    take_dual = (gs_block * 0.0 + adv < 0) & ~(val <= limit)
+                    val = tl.where(take_dual, limit, val)
+                    dval = tl.where(take_dual, 0.0, dval)
+                    on_clip = on_clip | take_dual
+            if WRITE_GRAD:
+                g = tl.where(counted & ~dropped, gs * c * dval * r, 0.0)
+                tl.store(grad_ptr + t, g.to(grad_ptr.dtype.element_ty), mask=inside)
+            else:
+                loss += tl.where(counted & ~dropped, c * val, 0.0)
+                clipped += tl.where(counted & on_clip, 1.0, 0.0).to(acc_t)
+        if not WRITE_GRAD:
+            chunk_loss = tl.sum(loss, 0)
+            tl.store(part_ptr + pid * 4, tl.where(gs != 0.0, gs * chunk_loss, 0.0))
+            tl.store(part_ptr + pid * 4 + 1, tl.sum(changed, 0))
+            tl.store(part_ptr + pid * 4 + 2, tl.sum(coef_sum, 0))
+            tl.store(part_ptr + pid * 4 + 3, tl.sum(clipped, 0))
+
+
+@triton.jit
+def _finish(part_ptr, num_parts, work_ptr, gs_ptr, adv_ptr, len_ptr, n, loss_ptr, scalars_ptr,
+            TOKEN_PASS: tl.constexpr, TOKEN_LEVEL: tl.constexpr, BLOCK: tl.constexpr):
+    # The loss and the statistics of contract.md, "Statistics", from the chunk partials (in order) or, when
+    # the token terms are constant within each sequence, from -sum_i grad_scale_i A_i L_i.
+    loss = tl.zeros((), tl.float64)
+    tok_changed = tl.zeros((), tl.float64)
+    tok_coef = tl.zeros((), tl.float64)
+    clipped = tl.zeros((), tl.float64)
+    if TOKEN_PASS:
+        for start in range(0, num_parts, BLOCK):
+            j = start + tl.arange(0, BLOCK)
+            inside = j < num_parts
+            loss += tl.sum(tl.load(part_ptr + j * 4, mask=inside, other=0.0).to(tl.float64), 0)
+            tok_changed += tl.sum(tl.load(part_ptr + j * 4 + 1, mask=inside, other=0.0).to(tl.float64), 0)
+            tok_coef += tl.sum(tl.load(part_ptr + j * 4 + 2, mask=inside, other=0.0).to(tl.float64), 0)
+            clipped += tl.sum(tl.load(part_ptr + j * 4 + 3, mask=inside, other=0.0).to(tl.float64), 0)
+    else:
+        for start in range(0, n, BLOCK):
+            i = start + tl.arange(0, BLOCK)
+            length = tl.load(len_ptr + i, mask=i < n, other=0.0).to(tl.float64)
+            gs = tl.load(gs_ptr + i, mask=i < n, other=0.0).to(tl.float64)
+            adv = tl.load(adv_ptr + i, mask=i < n, other=0.0).to(tl.float64)
+            loss -= tl.sum(tl.where((length > 0) & (gs != 0.0), gs * adv * length, 0.0), 0)
+    tokens = tl.load(work_ptr + 6)
+    seqs = tl.load(work_ptr + 7)
+    if TOKEN_LEVEL:
+        unit_changed = tok_changed
+        unit_coef = tok_coef
+        units = tokens
+    else:
+        unit_changed = tl.load(work_ptr + 3)
+        unit_coef = tl.load(work_ptr + 4)
+        units = seqs
+    dt = scalars_ptr.dtype.element_ty
+    tl.store(loss_ptr, loss.to(dt))
+    tl.store(scalars_ptr + 0, tl.load(work_ptr + 0).to(dt))
+    tl.store(scalars_ptr + 1, tl.load(work_ptr + 1).to(dt))
+    tl.store(scalars_ptr + 2, tl.load(work_ptr + 2).to(dt))
+    tl.store(scalars_ptr + 3, tl.where(units > 0, unit_changed / tl.maximum(units, 1.0), 0.0).to(dt))
+    tl.store(scalars_ptr + 4, tl.where(units > 0, unit_coef / tl.maximum(units, 1.0), 0.0).to(dt))
+    tl.store(scalars_ptr + 5, tl.where(tokens > 0, tl.load(work_ptr + 5) / tl.maximum(tokens, 1.0), 0.0).to(dt))
+    tl.store(scalars_ptr + 6, tokens.to(dt))
+    tl.store(scalars_ptr + 7, seqs.to(dt))
+    tl.store(scalars_ptr + 8, tl.load(work_ptr + 8).to(dt))
+    tl.store(scalars_ptr + 9, tl.where(tokens > 0, clipped / tl.maximum(tokens, 1.0), 0.0).to(dt))
+
+
+def _token_args(t: TokenBatch, plan, adv, gs, opts: PolicyLossOptions):
+    chunk_end, grid, steps = plan
+    dummy = t.logp
+    clip_low, clip_high = opts.clip_ratio if opts.clip_ratio is not None else (0.0, 0.0)
+    args = (t.logp.detach(), t.behavior_logp.detach(), dummy if t.old_logp is None else t.old_logp.detach(),
+            dummy if t.mask is None else t.mask.view(torch.uint8), t.cu_seqlens, chunk_end, adv, gs)
+    scalars = (t.num_seqs, t.logp.numel(), steps, math.log(opts.is_threshold), math.log(opts.threshold_low), 1.0 - clip_low,
+               1.0 + clip_high, float(opts.clip_ratio_c or 0.0))
+    flags = dict(HAS_OLD=t.old_logp is not None, HAS_MASK=t.mask is not None,
+                 TOKEN_LEVEL=opts.is_level == "token", CORRECTION=IS_CORRECTIONS[opts.is_correction],
+                 CLIP=opts.clip_ratio is not None, DUAL=opts.clip_ratio_c is not None,
+                 ACC64=t.acc_dtype == torch.float64, CHUNK=CHUNK, BLOCK=BLOCK)
+    return grid, args, scalars, flags
+
+
+class _PolicyLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logp, tokens: TokenBatch, seq: SequenceBatch, opts: PolicyLossOptions, norm_length):
+        t = tokens
+        b, acc, device = t.num_seqs, t.acc_dtype, t.logp.device
+        sums, plan = sequence_sums(t)
+        s, length, kl = sums[0], sums[1], sums[2]
+        gs = torch.empty(b, dtype=acc, device=device)
+        work = torch.empty(9, dtype=torch.float64, device=device)
+        log_hi, log_lo = math.log(opts.is_threshold), math.log(opts.threshold_low)
+        _batch_step[(1,)](s, length, kl, gs, work, b, log_hi, log_lo, opts.ess_base_ratio,
+                          float(norm_length or 1.0), ESS_TRUNC=opts.ess_on_corrected, RULE=LR_RULES[opts.lr_rule],
+                          LEVEL=IS_LEVELS[opts.is_level], CORRECTION=IS_CORRECTIONS[opts.is_correction],
+                          AGG=LOSS_AGG_MODES[opts.loss_agg_mode], BLOCK=BLOCK_SEQS)
+        if seq.advantages is not None:
+            baseline = torch.zeros(seq.num_groups, dtype=acc, device=device)
+            adv = torch.where(length > 0, seq.advantages, 0)
+        else:
+            kind = ADVANTAGES[opts.advantage]
+            baseline, adv = advantages(kind, seq.rewards, length, seq.group_index, seq.num_groups, opts.norm_by_std,
+                                       log_weight=s if kind == OPOB else None, grad_sq_norm=seq.grad_sq_norm,
+                                       length_norm=opts.opob_length_norm, weight=opts.opob_weight_code,
+                                       log_hi=log_hi)
+        token_pass = t.old_logp is not None or opts.is_level == "token"
+        grid, args, scalars, flags = _token_args(t, plan, adv, gs, opts)
+        partials = torch.zeros((max(grid, 1), 4), dtype=acc, device=device)
+        if token_pass and grid and b:
+            _token_pass[(grid,)](*args, work, partials, t.logp, *scalars, WRITE_GRAD=False, **flags)
+        loss = torch.empty((), dtype=acc, device=device)
+        stats = torch.empty(10, dtype=acc, device=device)
+        _finish[(1,)](partials, grid if token_pass else 0, work, gs, adv, length, b, loss, stats,
+                      TOKEN_PASS=token_pass, TOKEN_LEVEL=opts.is_level == "token", BLOCK=BLOCK_SEQS)
+        ctx.tokens, ctx.plan, ctx.opts = t, plan, opts
+        ctx.save_for_backward(adv, gs)
+        ctx.mark_non_differentiable(stats, baseline, adv, s)
+        return loss, stats, baseline, adv, s
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_):
+        t = ctx.tokens
+        adv, gs = ctx.saved_tensors
+        grad = torch.empty_like(t.logp)
+        grid, args, scalars, flags = _token_args(t, ctx.plan, adv, gs, ctx.opts)
+        if grid and t.num_seqs:
+            _token_pass[(grid,)](*args, grad_loss.to(gs.dtype).contiguous(), gs, grad, *scalars, WRITE_GRAD=True,
+                                 **flags)
+        else:
+            grad.zero_()
+        return grad, None, None, None, None
+
+
+def policy_loss(tokens: TokenBatch, seq: SequenceBatch, opts: PolicyLossOptions, norm_length):
+    """(loss, scalars, baseline, advantages, seq_log_weight); autograd to tokens.logp."""
+    return _PolicyLoss.apply(tokens.logp, tokens, seq, opts, norm_length)
