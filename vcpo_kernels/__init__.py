@@ -1,7 +1,8 @@
 """vcpo_kernels: fused ops for variance-controlled off-policy policy gradients (math: docs/contract.md).
 
 Each op takes `backend="auto" | "torch" | "cpu" | "triton" | "cuda"`; "torch" is the float64-capable
-reference, "cpu" the compiled C++ kernel, "auto" the fastest available for the input's device."""
+reference, "cpu" the compiled C++ kernel, "triton" the Triton kernels (CUDA tensors, or CPU tensors under the
+interpreter), "auto" the compiled kernel on CPU tensors and the reference elsewhere (see README)."""
 
 from .backends import BACKENDS, available_backends
 from .ops import (

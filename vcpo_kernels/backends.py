@@ -1,4 +1,5 @@
-"""Backend selection: "auto" picks the fastest available implementation for the input's device."""
+"""Backend selection. "auto" picks the compiled C++ op for CPU tensors and the reference elsewhere: the Triton
+kernels are chosen for CUDA tensors only once they have been measured on a GPU (README)."""
 
 from __future__ import annotations
 
