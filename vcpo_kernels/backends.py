@@ -29,6 +29,17 @@ def _triton():
     return module, None
 
 
+def _cuda():
+    """The CUDA backend module, or an error message."""
+    if _cpu is None:
+        return None, f"the C++ extension failed to load ({_CPU_ERROR})"
+    try:
+        from . import cuda as module
+    except ImportError as exc:
+        return None, str(exc)
+    return module, None
+
+
 def _triton_runs_on(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
@@ -37,6 +48,8 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
     """The backends that can run on `device`: "triton" on CPU tensors only under the Triton interpreter."""
     device = torch.device(device)
     names = ["torch"] + (["cpu"] if device.type == "cpu" and _cpu is not None else [])
+    if device.type == "cuda" and _cuda()[0] is not None:
+        names.append("cuda")
     if _triton_runs_on(device) and _triton()[0] is not None:
         names.append("triton")
     return names
@@ -64,7 +77,12 @@ def resolve(backend: str, device: torch.device):
         if module is None:
             raise ValueError(f"backend='triton' is not available: {error}")
         return module
-    raise ValueError(f"backend={backend!r} is not available in this build (available: 'torch', 'cpu')")
+    module, error = _cuda()  # backend == "cuda"
+    if device.type != "cuda":
+        raise ValueError(f"backend='cuda' needs CUDA tensors, got tensors on {device}")
+    if module is None:
+        raise ValueError(f"backend='cuda' is not available: {error}")
+    return module
 
 
 def kernel(op: str, backend: str, device: torch.device):
