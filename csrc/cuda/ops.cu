@@ -1,8 +1,9 @@
 // CUDA implementations of the vcpo:: ops (schemas in csrc/registration.cpp; math in docs/contract.md), the
-// same pipeline as the Triton backend (vcpo_kernels/triton/): per-chunk partial sums of the tokens combined
-// per sequence in chunk order, one block for the batch step (ESS, a_i c_i), one block per group (baselines),
-// one block per chunk for the token pass; fp64 for the per-batch and per-group sums. No float atomics (every
-// result is deterministic) and no host sync: every count stays on the device.
+// same pipeline as the Triton backend (vcpo_kernels/triton/): per-chunk partial sums of the tokens (read with
+// 16-byte vector loads where aligned) combined per sequence in chunk order, one block for the batch step
+// (ESS, a_i c_i), one block per group (baselines), one block per chunk for the token pass; fp64 for the
+// per-batch and per-group sums. No float atomics (every result is deterministic) and no host sync: every
+// count stays on the device.
 // Python validates the arguments; the checks here are those of shapes, dtypes and devices, and every index
 // read from a tensor is clipped so that unvalidated input cannot read or write out of bounds.
 #include <ATen/ATen.h>
@@ -92,7 +93,64 @@ struct Tokens {
   const int64_t* cu;
   const int64_t* chunk_end;  // chunks of sequences 0..i
   int64_t num_seqs, num_tokens;
+  bool aligned;  // every token array (and the gradient) starts on a 16-byte boundary: vector loads allowed
 };
+
+// 16 bytes of logp per vector load: 4 fp32, 8 bf16/fp16, 2 fp64 (behavior_logp in fp32 beside bf16 logp
+// takes two 16-byte loads).
+template <typename lp_t>
+constexpr int kVec = 16 / sizeof(lp_t);
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+template <int N, typename T>
+__device__ __forceinline__ Pack<T, N> load_pack(const T* p, int64_t i) {
+  return *reinterpret_cast<const Pack<T, N>*>(p + i);
+}
+
+// Calls body(i, counted, lp, mu, old) for every token i of [first, last) that this thread owns, with the token
+// values in acc_t (old = lp in bypass mode), and stores the returned value to out[i] when out is given. The
+// aligned middle of the span is read with 16-byte vector loads, kVec<lp_t> tokens per thread per step; the
+// ragged ends and unaligned arrays element by element.
+template <typename lp_t, typename ref_t, typename acc_t, typename Body>
+__device__ __forceinline__ void visit_tokens(const Tokens& t, int64_t first, int64_t last, lp_t* out, Body&& body) {
+  constexpr int V = kVec<lp_t>;
+  const lp_t* lp = static_cast<const lp_t*>(t.logp);
+  const ref_t* mu = static_cast<const ref_t*>(t.behavior);
+  const ref_t* old = static_cast<const ref_t*>(t.old);
+  auto one = [&](int64_t i) {
+    const bool counted = t.mask == nullptr || t.mask[i];
+    const acc_t cur = ld<acc_t>(lp, i);
+    const acc_t r = body(i, counted, cur, ld<acc_t>(mu, i), old ? ld<acc_t>(old, i) : cur);
+    if (out) out[i] = static_cast<lp_t>(r);
+  };
+  int64_t head_end = first, body_end = first;
+  if (t.aligned) {
+    head_end = min(last, (first + V - 1) / V * V);
+    body_end = head_end + (last - head_end) / V * V;
+  }
+  for (int64_t i = first + threadIdx.x; i < head_end; i += blockDim.x) one(i);
+  for (int64_t base = head_end + int64_t(threadIdx.x) * V; base < body_end; base += int64_t(blockDim.x) * V) {
+    const Pack<lp_t, V> l = load_pack<V>(lp, base);
+    const Pack<ref_t, V> m = load_pack<V>(mu, base);
+    Pack<ref_t, V> o;
+    if (old) o = load_pack<V>(old, base);
+    Pack<bool, V> k;
+    if (t.mask) k = load_pack<V>(t.mask, base);
+    Pack<lp_t, V> g;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const acc_t cur = static_cast<acc_t>(l.v[j]);
+      g.v[j] = static_cast<lp_t>(body(base + j, t.mask == nullptr || k.v[j], cur, static_cast<acc_t>(m.v[j]),
+                                      old ? static_cast<acc_t>(o.v[j]) : cur));
+    }
+    if (out) *reinterpret_cast<Pack<lp_t, V>*>(out + base) = g;
+  }
+  for (int64_t i = max(body_end, first) + threadIdx.x; i < last; i += blockDim.x) one(i);
+}
 
 struct Span {
   int64_t seq, first, last;  // seq == num_seqs: past the last chunk
@@ -143,18 +201,17 @@ template <typename lp_t, typename ref_t, typename acc_t>
 __global__ void sequence_partials_kernel(Tokens t, acc_t* partials) {
   const Span sp = chunk_span(t, blockIdx.x);
   if (sp.seq >= t.num_seqs) return;  // uniform over the block
-  const lp_t* lp = static_cast<const lp_t*>(t.logp);
-  const ref_t* mu = static_cast<const ref_t*>(t.behavior);
-  const ref_t* old = static_cast<const ref_t*>(t.old);
   acc_t s = 0, len = 0, k3 = 0;
-  for (int64_t i = sp.first + threadIdx.x; i < sp.last; i += blockDim.x) {
-    if (t.mask && !t.mask[i]) continue;
-    const acc_t prox = old ? ld<acc_t>(old, i) : ld<acc_t>(lp, i);
-    const acc_t d = prox - ld<acc_t>(mu, i);
-    s += d;
-    len += 1;
-    k3 += k3_term(d);
-  }
+  visit_tokens<lp_t, ref_t, acc_t>(t, sp.first, sp.last, static_cast<lp_t*>(nullptr),
+                                   [&](int64_t, bool counted, acc_t, acc_t mu, acc_t prox) {
+    if (counted) {
+      const acc_t d = prox - mu;
+      s += d;
+      len += 1;
+      k3 += k3_term(d);
+    }
+    return acc_t(0);
+  });
   s = block_reduce(s);
   len = block_reduce(len);
   k3 = block_reduce(k3);
@@ -428,52 +485,43 @@ __global__ void token_pass_kernel(Tokens t, LossParams p, const acc_t* adv_in, c
                                   const acc_t* grad_loss, acc_t* partials, lp_t* grad) {
   const Span sp = chunk_span(t, blockIdx.x);
   if (sp.seq >= t.num_seqs) return;
-  const lp_t* lp = static_cast<const lp_t*>(t.logp);
-  const ref_t* mu = static_cast<const ref_t*>(t.behavior);
-  const ref_t* old = static_cast<const ref_t*>(t.old);
   const acc_t adv = adv_in[sp.seq];
   const acc_t gs = grad_scale[sp.seq] * (WriteGrad ? *grad_loss : acc_t(1));
-  const bool token_level = p.level == kToken;
+  const bool token_level = p.level == kToken, has_old = t.old != nullptr;
   acc_t loss = 0, changed = 0, coef_sum = 0, clipped = 0;
-  for (int64_t i = sp.first + threadIdx.x; i < sp.last; i += blockDim.x) {
-    const bool counted = t.mask == nullptr || t.mask[i];
-    acc_t g = 0;
-    if (counted) {
-      const acc_t cur = ld<acc_t>(lp, i);
-      const acc_t prox = old ? ld<acc_t>(old, i) : cur;
-      acc_t c = 1;
-      if (token_level) {
-        const acc_t d = prox - ld<acc_t>(mu, i);
-        c = is_coef(d, p);
-        changed += is_changed(d, p);
-        coef_sum += c;
-      }
-      const bool dropped = c == acc_t(0) || gs == acc_t(0);
-      const acc_t r = old ? exp(dropped ? acc_t(0) : cur - prox) : acc_t(1);
-      const acc_t p1 = -adv * r;
-      acc_t val = p1, dval = -adv;
-      bool on_clip = false;
-      if (p.clip) {
-        const acc_t rc = r < acc_t(p.ratio_lo) ? acc_t(p.ratio_lo) : (r > acc_t(p.ratio_hi) ? acc_t(p.ratio_hi) : r);
-        const acc_t p2 = -adv * rc;
-        const bool take_unclipped = p1 >= p2;  // ties go to the unclipped branch
-        val = take_unclipped ? p1 : p2;
-        dval = take_unclipped ? dval : acc_t(0);
-        on_clip = !take_unclipped;
-        const acc_t limit = -adv * acc_t(p.dual_c);
-        const bool take_dual = p.dual && adv < 0 && !(val <= limit);
-        val = take_dual ? limit : val;
-        dval = take_dual ? acc_t(0) : dval;
-        on_clip = on_clip || take_dual;
-      }
-      if (!dropped) {
-        loss += c * val;
-        g = gs * c * dval * r;
-      }
-      clipped += on_clip ? acc_t(1) : acc_t(0);
+  visit_tokens<lp_t, ref_t, acc_t>(t, sp.first, sp.last, WriteGrad ? grad : nullptr,
+                                   [&](int64_t, bool counted, acc_t cur, acc_t mu, acc_t prox) {
+    if (!counted) return acc_t(0);
+    acc_t c = 1;
+    if (token_level) {
+      const acc_t d = prox - mu;
+      c = is_coef(d, p);
+      changed += is_changed(d, p);
+      coef_sum += c;
     }
-    if (WriteGrad) grad[i] = static_cast<lp_t>(g);
-  }
+    const bool dropped = c == acc_t(0) || gs == acc_t(0);
+    const acc_t r = has_old ? exp(dropped ? acc_t(0) : cur - prox) : acc_t(1);
+    const acc_t p1 = -adv * r;
+    acc_t val = p1, dval = -adv;
+    bool on_clip = false;
+    if (p.clip) {
+      const acc_t rc = r < acc_t(p.ratio_lo) ? acc_t(p.ratio_lo) : (r > acc_t(p.ratio_hi) ? acc_t(p.ratio_hi) : r);
+      const acc_t p2 = -adv * rc;
+      const bool take_unclipped = p1 >= p2;  // ties go to the unclipped branch
+      val = take_unclipped ? p1 : p2;
+      dval = take_unclipped ? dval : acc_t(0);
+      on_clip = !take_unclipped;
+      const acc_t limit = -adv * acc_t(p.dual_c);
+      const bool take_dual = p.dual && adv < 0 && !(val <= limit);
+      val = take_dual ? limit : val;
+      dval = take_dual ? acc_t(0) : dval;
+      on_clip = on_clip || take_dual;
+    }
+    clipped += on_clip ? acc_t(1) : acc_t(0);
+    if (dropped) return acc_t(0);
+    loss += c * val;
+    return gs * c * dval * r;
+  });
   if (WriteGrad) return;
   loss = block_reduce(loss);
   changed = block_reduce(changed);
@@ -608,9 +656,14 @@ Tokens token_view(const Tensor& logp, const Tensor& behavior, const OptTensor& o
   check_seq(mask, "mask", logp.numel(), at::kBool);
   TORCH_CHECK(cu.dim() == 1 && cu.numel() >= 1 && cu.scalar_type() == at::kLong,
               "vcpo: cu_seqlens must be a 1-D int64 tensor");
+  // Vector loads need each array to start on a multiple of its pack: 16 bytes of logp, as many tokens of the others.
+  const int64_t vec = 16 / logp.element_size();
+  auto on = [](const Tensor& x, int64_t bytes) { return reinterpret_cast<uintptr_t>(x.data_ptr()) % bytes == 0; };
+  const bool aligned = on(logp, 16) && on(behavior, vec * behavior.element_size()) &&
+                       (!old || on(*old, vec * old->element_size())) && (!mask || on(*mask, vec));
   return Tokens{logp.data_ptr(), behavior.data_ptr(), old ? old->data_ptr() : nullptr,
                 mask ? mask->data_ptr<bool>() : nullptr, cu.data_ptr<int64_t>(), chunk_end.data_ptr<int64_t>(),
-                cu.numel() - 1, logp.numel()};
+                cu.numel() - 1, logp.numel(), aligned};
 }
 
 // Calls body(lp_t{}, ref_t{}) for logp's dtype and behavior_logp's (logp's own or float32).
