@@ -16,8 +16,14 @@ fi
 BUILD="$(mktemp -d)"
 trap 'rm -rf "$BUILD"' EXIT
 # sm_90 (H100/H200) only, to keep the compile short; a GPU machine builds for its own GPU.
-VCPO_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-2}" \
-  "$VENV/bin/python" setup.py -q build_ext --build-lib "$BUILD/lib" --build-temp "$BUILD/tmp"
+# The compiler's output (torch's headers warn a lot) goes to a log, shown only if the build fails.
+if ! VCPO_BUILD_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-2}" \
+  "$VENV/bin/python" setup.py -q build_ext --build-lib "$BUILD/lib" --build-temp "$BUILD/tmp" \
+  > "$BUILD/build.log" 2>&1; then
+  grep -E -B2 -A6 "error" "$BUILD/build.log" | head -200 || tail -100 "$BUILD/build.log"
+  echo "CUDA build failed" >&2
+  exit 1
+fi
 "$VENV/bin/python" - "$BUILD"/lib/vcpo_kernels/_C*.so <<'PY'
 import sys
 
