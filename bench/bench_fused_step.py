@@ -48,7 +48,8 @@ def child(case: str, args) -> None:
         metrics = vcpo.step(model, opt, batch, cfg)
         times.append(time.perf_counter() - t0)
     peak = peak_rss_mib()
-    print(json.dumps({"times": times, "peak_over_base_mib": peak - base, "grad_sq_norm_mean": metrics["grad_sq_norm_mean"]}))
+    print(json.dumps({"times": times, "peak_over_base_mib": peak - base,
+                      "grad_sq_norm_mean": metrics["grad_sq_norm_mean"]}))
 
 
 def main() -> None:

@@ -47,6 +47,14 @@ def timed(fn, reps: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def copy_bandwidth(num_bytes: int, reps: int):
+    """(ms, GB/s counting bytes read and written) of a device-to-device copy of num_bytes."""
+    src = torch.empty(num_bytes // 4, device="cuda")
+    dst = torch.empty_like(src)
+    ms = timed(lambda: dst.copy_(src), reps)
+    return ms, 2 * num_bytes / ms / 1e6
+
+
 def loss_step(loss_fn, inputs):
     kw = dict(inputs)
     logp = kw.pop("logp")
@@ -77,11 +85,7 @@ def main() -> None:
         b, t = SIZES[size]
         inputs = make(b, t)
         n = b * t
-        src = torch.empty(n * BYTES_PER_TOKEN // 4, device="cuda")
-        dst = torch.empty_like(src)
-        copy_ms = timed(lambda: dst.copy_(src), args.reps)
-        copy_gbs = 2 * src.numel() * 4 / copy_ms / 1e6  # read + write
-        del src, dst
+        copy_ms, copy_gbs = copy_bandwidth(n * BYTES_PER_TOKEN, args.reps)
         results = {}
         for name, fn in cases.items():
             try:

@@ -146,8 +146,8 @@ def test_unvalidated_bad_offsets_and_groups_fail_safely(backend):
         script = (
             "import torch, vcpo_kernels as vk\n"
             "logp = -torch.rand(6)\n"
-            "vk.policy_loss(logp, logp.clone(), cu_seqlens=torch.tensor([10**12, 10**12 + 3, 10**12 + 6]), rewards=torch.rand(2),"
-            " backend='triton', validate=False)\n"
+            "vk.policy_loss(logp, logp.clone(), cu_seqlens=torch.tensor([10**12, 10**12 + 3, 10**12 + 6]),"
+            " rewards=torch.rand(2), backend='triton', validate=False)\n"
             "vk.policy_loss(logp.reshape(2, 3).requires_grad_(), logp.reshape(2, 3).clone(), rewards=torch.rand(2),"
             " group_index=torch.tensor([0, 10**12]), num_groups=2, backend='triton', validate=False)"
             ".loss.backward()\n"

@@ -50,8 +50,8 @@ def grads_of(outputs, upstream, inputs):
 def test_outputs_and_gradients_match_float64(dtype, tol, temperature, chunk, backend):
     hidden, weight, bias, targets = make(10, 16, 37, dtype, seed=chunk)  # V = 37: no multiple of a chunk
     targets[0], targets[1], targets[2] = 0, 36, -100  # the vocabulary's ends and an ignored target
-    out = vk.linear_logprobs(hidden, weight, targets, backend=backend, bias=bias, temperature=temperature, return_entropy=True,
-                             return_sum_p2=True, chunk_size=chunk)
+    out = vk.linear_logprobs(hidden, weight, targets, backend=backend, bias=bias, temperature=temperature,
+                             return_entropy=True, return_sum_p2=True, chunk_size=chunk)
     assert out.logp.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     # the float64 statement on the very same (rounded) inputs
     h64, w64, b64 = (t.detach().double().requires_grad_() for t in (hidden, weight, bias))
@@ -72,7 +72,8 @@ def test_outputs_and_gradients_match_float64(dtype, tol, temperature, chunk, bac
 @pytest.mark.parametrize("which", ["logp", "entropy", "sum_p2"])
 def test_each_output_alone_has_its_own_gradient(which, backend):
     hidden, weight, bias, targets = make(6, 8, 11, torch.float64, seed=3)
-    out = vk.linear_logprobs(hidden, weight, targets, backend=backend, bias=bias, return_entropy=True, return_sum_p2=True,
+    out = vk.linear_logprobs(hidden, weight, targets, backend=backend, bias=bias, return_entropy=True,
+                             return_sum_p2=True,
                              chunk_size=4)
     index = ("logp", "entropy", "sum_p2").index(which)
     ref = naive(hidden, weight, targets, bias)
@@ -175,8 +176,8 @@ def test_never_materialises_n_by_v(backend):
     n, h, v, chunk = 256, 8, 512, 16
     hidden, weight, bias, targets = make(n, h, v, seed=8)
     with _LargestTensor() as mode:
-        out = vk.linear_logprobs(hidden, weight, targets, backend=backend, bias=bias, return_entropy=True, return_sum_p2=True,
-                                 chunk_size=chunk)
+        out = vk.linear_logprobs(hidden, weight, targets, backend=backend, bias=bias, return_entropy=True,
+                                 return_sum_p2=True, chunk_size=chunk)
         (out.logp.sum() + out.entropy.sum() + out.sum_p2.sum()).backward()
     assert mode.largest <= chunk * v < n * v  # every temporary is at most one chunk of logits
 
@@ -211,7 +212,8 @@ def test_frozen_head_still_gives_hidden_gradients_and_norms(backend):
     frozen_w, frozen_b = weight.detach(), bias.detach()
     cu = torch.tensor([0, 4, 9])
     norms = torch.zeros(2, dtype=torch.float64)
-    out = vk.linear_logprobs(hidden, frozen_w, targets, backend=backend, bias=frozen_b, cu_seqlens=cu, seq_grad_sq_norm=norms,
+    out = vk.linear_logprobs(hidden, frozen_w, targets, backend=backend, bias=frozen_b, cu_seqlens=cu,
+                             seq_grad_sq_norm=norms,
                              chunk_size=3)
     (d_hidden,) = torch.autograd.grad(out.logp.sum(), hidden)
     h2 = hidden.detach().requires_grad_()

@@ -3,7 +3,6 @@ blocks of BLOCK columns (math: csrc/cpu/logit_rows.h and docs/contract.md). The 
 max m, s = sum e, sx = sum e (z - m) and s2 = sum e^2 with e = exp(z - m), rescaled when m grows, so the row
 is read once."""
 
-import torch
 import triton
 import triton.language as tl
 

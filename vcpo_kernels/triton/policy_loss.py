@@ -22,8 +22,6 @@ from .segments import BLOCK, CHUNK, chunk_span
 from .sequence_stats import sequence_sums
 
 BLOCK_SEQS = 1024
-# work[]: what the batch program hands to the last one
-W_ESS, W_RATIO, W_LR, W_SEQ_CHANGED, W_SEQ_COEF, W_KL, W_TOKENS, W_SEQS, W_NONFINITE = range(9)
 
 
 @triton.jit
@@ -45,6 +43,8 @@ def is_changed(lw, log_hi, log_lo, CORRECTION: tl.constexpr):
     return lw * 0.0
 
 
+# work[0:9]: what the batch program hands to the last one: ESS, ESS ratio, lr scale, sequence-level changed
+# units and coefficient sum, K3 sum, counted tokens, valid sequences, non-finite log weights.
 @triton.jit
 def _batch_step(s_ptr, len_ptr, kl_ptr, gs_ptr, work_ptr, n, log_hi, log_lo, base, norm_length,
                 ESS_TRUNC: tl.constexpr, RULE: tl.constexpr, LEVEL: tl.constexpr, CORRECTION: tl.constexpr,
@@ -224,8 +224,8 @@ def _token_args(t: TokenBatch, plan, adv, gs, opts: PolicyLossOptions):
     clip_low, clip_high = opts.clip_ratio if opts.clip_ratio is not None else (0.0, 0.0)
     args = (t.logp.detach(), t.behavior_logp.detach(), dummy if t.old_logp is None else t.old_logp.detach(),
             dummy if t.mask is None else t.mask.view(torch.uint8), t.cu_seqlens, chunk_end, adv, gs)
-    scalars = (t.num_seqs, t.logp.numel(), steps, math.log(opts.is_threshold), math.log(opts.threshold_low), 1.0 - clip_low,
-               1.0 + clip_high, float(opts.clip_ratio_c or 0.0))
+    scalars = (t.num_seqs, t.logp.numel(), steps, math.log(opts.is_threshold), math.log(opts.threshold_low),
+               1.0 - clip_low, 1.0 + clip_high, float(opts.clip_ratio_c or 0.0))
     flags = dict(HAS_OLD=t.old_logp is not None, HAS_MASK=t.mask is not None,
                  TOKEN_LEVEL=opts.is_level == "token", CORRECTION=IS_CORRECTIONS[opts.is_correction],
                  CLIP=opts.clip_ratio is not None, DUAL=opts.clip_ratio_c is not None,
