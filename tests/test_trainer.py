@@ -53,11 +53,12 @@ def expected_uids(steps):
 
 @pytest.fixture(scope="module")
 def runs(env, tmp_path_factory):
-    """One uninterrupted run per staleness bound k."""
+    """One uninterrupted run per staleness bound k; k = 1 with the fused LM head."""
     out = {}
     for k in (0, 1, 4):
         folder = tmp_path_factory.mktemp(f"run-k{k}") / "run"
-        run([*COMMON, "--steps", str(STEPS), "--max-staleness", str(k), "--output-dir", str(folder)], env)
+        fused = ["--fused-lm-head", "true"] if k == 1 else []
+        run([*COMMON, *fused, "--steps", str(STEPS), "--max-staleness", str(k), "--output-dir", str(folder)], env)
         out[k] = str(folder)
     return out
 
@@ -99,6 +100,17 @@ def test_staleness_is_bounded_and_nothing_is_dropped(runs, k):
     assert [m["lag"] for m in metrics] == [m["step"] - 1 - m["version"] for m in metrics]
     if k == 0:
         assert set(lags) == {0} and all(m["ess_ratio"] == pytest.approx(1.0, abs=1e-5) for m in metrics)
+
+
+def test_fused_lm_head_run(runs):
+    """`--fused-lm-head true` reaches vcpo.step: recorded in the config, finite per-sequence norms and steps."""
+    config = json.load(open(os.path.join(runs[1], "config.json")))
+    assert config["vcpo"]["fused_lm_head"] is True
+    assert json.load(open(os.path.join(runs[0], "config.json")))["vcpo"]["fused_lm_head"] is False
+    metrics = read_jsonl(os.path.join(runs[1], "metrics.jsonl"))
+    for m in metrics:  # a step whose rewards are all equal has zero advantages and a zero gradient
+        assert 0 < m["grad_sq_norm_mean"] < float("inf") and 0 <= m["grad_norm"] < float("inf")
+    assert any(m["grad_norm"] > 0 for m in metrics)
 
 
 def _interrupt_and_resume(args, folder, env):
