@@ -101,24 +101,29 @@ class ChunkedLinearLogprobs(torch.autograd.Function):
             db = dz.sum(0) if bias is not None and (need_b or per_seq) else None
             if need_b:
                 d_bias += db
-            if not per_seq:
-                if need_w:
-                    d_weight.addmm_(dz.T, h)  # no [V, H] temporary
-                continue
-            dw = dz.T @ h  # this span's part of the sequence's d W
             if need_w:
-                d_weight += dw
-            if open_seq is not None and open_seq[0] == seq:  # a sequence longer than a chunk
-                dw, db = open_seq[1].add_(dw), None if db is None else open_seq[2].add_(db)
-            if not seq_ends:
-                open_seq = (seq, dw, db)
+                d_weight.addmm_(dz.T, h)  # no [V, H] temporary
+            if not per_seq:
                 continue
+            if seq_rows is not None:  # rows of the sequence's d W (linear: added span by span)
+                seq_rows[seq] += (dz[:, row_ids[seq]].T @ h).to(seq_rows.dtype)
+            if seq_sq_norm is None:
+                continue
+            continues = open_seq is not None and open_seq[0] == seq  # a sequence longer than a chunk
+            if seq_ends and not continues and (e - s) * (dz.shape[1] + h.shape[1]) <= dz.shape[1] * h.shape[1]:
+                # the sequence in one span, short next to V and H: ||dz^T h||^2 = <dz dz^T, h h^T>, no [V, H]
+                sq = ((dz @ dz.T) * (h @ h.T)).sum()
+            else:  # its d W materialised, carried across the spans of a sequence longer than a chunk
+                dw = dz.T @ h
+                if continues:
+                    dw, db = open_seq[1].add_(dw), None if db is None else open_seq[2].add_(db)
+                if not seq_ends:
+                    open_seq = (seq, dw, db)
+                    continue
+                sq = dw.pow(2).sum()
             open_seq = None
-            if seq_sq_norm is not None:
-                sq = dw.pow(2).sum() + (0 if db is None else db.pow(2).sum())
-                seq_sq_norm[seq] += sq.to(seq_sq_norm.dtype)
-            if seq_rows is not None:  # rows of this sequence's d W, e.g. at its input ids for a tied embedding
-                seq_rows[seq] += dw[row_ids[seq]].to(seq_rows.dtype)
+            sq = sq + (0 if db is None else db.pow(2).sum())
+            seq_sq_norm[seq] += sq.to(seq_sq_norm.dtype)
         return (None,
                 None if d_hidden is None else d_hidden.to(hidden.dtype),
                 None if d_weight is None else d_weight.to(weight.dtype),
