@@ -224,7 +224,8 @@ def linear_logprobs(
     the backward adds each sequence's squared norm of the weight (and bias) gradient to it. `seq_grad_rows`
     ([B, K, H], with `seq_grad_row_ids` [B, K] and `cu_seqlens`): the backward adds row
     `seq_grad_row_ids[i, k]` of sequence i's weight gradient to `seq_grad_rows[i, k]` (the inner product with
-    a tied embedding's per-sequence gradient needs the rows at its input ids)."""
+    a tied embedding's per-sequence gradient needs the rows at its input ids). Only the first backward through
+    a call adds to these two; a later one (the loss's, after a norm pass) gives the gradients alone."""
     hidden = _require_tensor("hidden", hidden)
     weight = _require_tensor("weight", weight)
     targets = _require_tensor("targets", targets)
