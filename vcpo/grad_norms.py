@@ -1,17 +1,32 @@
 """Exact per-sequence squared gradient norms, and the gradient sum_i k_i g_i, from one batched backward pass:
-ghost norms of linear layers, same-token norms of embeddings, materialised gradients of small modules,
-tied weights with their cross term. Math, layouts and exactness conditions: docs/grad_norms.md."""
+ghost norms of linear layers, same-token norms of embeddings, per-expert norms of mixture-of-experts layers,
+per-sequence vjp replays of any other module, tied weights with their cross term. Math, layouts and exactness
+conditions: docs/grad_norms.md."""
 
 from __future__ import annotations
 
+import functools
+import inspect
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-__all__ = ["PerSequenceGradients"]
+__all__ = ["PerSequenceGradients", "UnsupportedModuleError"]
+
+
+class UnsupportedModuleError(ValueError):
+    """The per-sequence gradients of `module` (its name in the model) cannot be formed exactly."""
+
+    def __init__(self, module: str, reason: str):
+        super().__init__(f"module {module!r}: {reason}. Exact per-sequence norms are not available for this model: "
+                         "use grad_norms='auto' (the LM head's norm, with a warning) or 'lm_head', 'length', 'uniform'")
+        self.module = module
 
 
 def _accumulate(p: Tensor, update: Tensor) -> None:
@@ -39,18 +54,161 @@ def _chunked(fn, *tensors: Tensor, per_seq_elements: int) -> Tensor:
     return torch.cat([fn(*(t[i:i + step] for t in tensors)) for i in range(0, n, step)]) if n else fn(*tensors)
 
 
+def _linear_sq_norms(a: Tensor, b: Tensor, ghost: Optional[bool]) -> Tensor:
+    """[B]: ||B_i^T A_i||_F^2 for rows a [B, T, d_in], b [B, T, d_out] (zero rows contribute nothing)."""
+    t, d_in, d_out = a.shape[1], a.shape[2], b.shape[2]
+    if ghost if ghost is not None else t * (d_in + d_out) <= d_in * d_out:  # <A A^T, B B^T>: O(T^2 (d_in + d_out))
+        return _chunked(lambda a, b: (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(b, b.transpose(1, 2))).sum((1, 2)),
+                        a, b, per_seq_elements=2 * t * t)
+    return _chunked(lambda a, b: torch.bmm(b.transpose(1, 2), a).pow(2).sum((1, 2)), a, b,  # O(T d_in d_out)
+                    per_seq_elements=d_in * d_out)
+
+
+# -- which rule a module gets ----------------------------------------------------------------------------
+# A closed-form rule is used only where the module's forward is exactly the op of that rule: the class's forward
+# is nn.Linear's / nn.Embedding's / transformers' Conv1D's, a registered scaled embedding, or transformers'
+# mixture-of-experts dispatcher. Every other module with parameters is replayed per sequence ("generic").
+
+# Subclasses of nn.Embedding in transformers whose forward is `super().forward(input_ids) * self.embed_scale`
+# (True: `* self.embed_scale.to(self.weight.dtype)`): the weight's gradient is scale times the lookup's.
+_SCALED_EMBEDDINGS = {
+    **{(f"transformers.models.{pkg}.modeling_{pkg}", cls): True for pkg, cls in (
+        ("diffusion_gemma", "DiffusionGemmaTextScaledWordEmbedding"), ("gemma", "GemmaTextScaledWordEmbedding"),
+        ("gemma2", "Gemma2TextScaledWordEmbedding"), ("gemma3", "Gemma3TextScaledWordEmbedding"),
+        ("gemma3n", "Gemma3nTextScaledWordEmbedding"), ("gemma4", "Gemma4TextScaledWordEmbedding"),
+        ("gemma4_unified", "Gemma4UnifiedTextScaledWordEmbedding"), ("minicpm3", "MiniCPM3ScaledWordEmbedding"),
+        ("vaultgemma", "VaultGemmaTextScaledWordEmbedding"))},
+    **{(f"transformers.models.{pkg}.modeling_{pkg}", cls): False for pkg, cls in (
+        ("bart", "BartScaledWordEmbedding"), ("bigbird_pegasus", "BigBirdPegasusScaledWordEmbedding"),
+        ("biogpt", "BioGptScaledWordEmbedding"), ("blenderbot", "BlenderbotScaledWordEmbedding"),
+        ("m2m_100", "M2M100ScaledWordEmbedding"), ("mbart", "MBartScaledWordEmbedding"),
+        ("nllb_moe", "NllbMoeScaledWordEmbedding"), ("pegasus_x", "PegasusXScaledWordEmbedding"),
+        ("plbart", "PLBartScaledWordEmbedding"), ("trocr", "TrOCRScaledWordEmbedding"),
+        ("xglm", "XGLMScaledWordEmbedding"))},
+}
+
+
+def _embedding_scale(module: nn.Module):
+    """1 for a plain nn.Embedding, the output scale of a registered scaled embedding, None for anything else."""
+    forward = type(module).forward
+    if forward is nn.Embedding.forward:
+        return 1
+    cast = _SCALED_EMBEDDINGS.get((type(module).__module__, type(module).__qualname__))
+    if cast is None or "forward" not in type(module).__dict__:
+        return None
+    scale = module.embed_scale
+    return scale.to(module.weight.dtype) if cast else scale
+
+
 def _is_conv1d(module: nn.Module) -> bool:
-    # transformers.pytorch_utils.Conv1D: y = x @ W + b with W [in, out]; matched by name to avoid the import.
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+    # transformers.pytorch_utils.Conv1D: y = x @ W + b with W [in, out]
+    if type(module).__name__ != "Conv1D" or not type(module).__module__.startswith("transformers"):
+        return False
+    from transformers.pytorch_utils import Conv1D
+
+    return type(module).forward is Conv1D.forward
+
+
+@functools.cache
+def _experts_dispatch_code():
+    """The code of the forward that transformers' `use_experts_implementation` gives an experts class."""
+    try:
+        from transformers.integrations.moe import use_experts_implementation
+    except ImportError:
+        return None
+
+    class _Probe(nn.Module):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            raise NotImplementedError
+
+    return use_experts_implementation(_Probe).forward.__code__
+
+
+def _is_experts(module: nn.Module) -> bool:
+    """A transformers experts module: forward(hidden [N, H], expert ids [N, k], routing weights [N, k]) with
+    3-D expert weights, dispatched to eager / grouped_mm / batched_mm implementations of one computation."""
+    forward = type(module).forward
+    if not type(module).__module__.startswith("transformers") or not hasattr(forward, "__wrapped__"):
+        return False
+    code = _experts_dispatch_code()
+    return code is not None and forward.__code__ is code
+
+
+def _rule(module: nn.Module) -> str:
+    if type(module).forward is nn.Linear.forward:
+        return "linear"
+    if _embedding_scale(module) is not None:
+        return "embedding"
+    if _is_conv1d(module):
+        return "conv1d"
+    if _is_experts(module):
+        return "experts"
+    return "generic"
+
+
+# A replay of a module on one sequence must reproduce what it output on the batch (same parameters, same
+# inputs): a looser match means it mixes sequences or is random, and its per-sequence gradients are refused.
+_REPLAY_RTOL = {torch.float64: 1e-9, torch.float32: 1e-4}
+
+
+def _replay_matches(got: Tensor, want: Tensor) -> bool:
+    if got.shape != want.shape:
+        return False
+    if want.numel() == 0:
+        return True
+    got, want = _acc(got.detach()), _acc(want.detach())
+    tol = _REPLAY_RTOL.get(want.dtype, 3e-2) * float(want.abs().max()) + 1e-30
+    return float((got - want).abs().max()) <= tol
+
+
+def _floats(tree) -> list:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, Tensor) and t.is_floating_point()]
+
+
+@dataclass
+class _Call:
+    """One call of a recorded module in the forward."""
+
+    kind: str  # "linear" | "conv1d" | "embedding" | "experts" | "generic"
+    args: tuple  # detached
+    kwargs: dict
+    outputs: list  # the floating-point output tensors, held until their gradient arrives (see backward())
+    values: list  # their detached values (replayed modules: the replay is checked against them)
+    grads: list  # their gradients, None until (unless) one arrives
 
 
 @dataclass
 class _Record:
     module: nn.Module
     name: str
-    inputs: list = field(default_factory=list)  # one entry per call of the module in the forward
-    grads: list = field(default_factory=list)
-    outputs: list = field(default_factory=list)  # held until their gradient arrives (see backward())
+    rule: str
+    calls: list = field(default_factory=list)
+
+
+class _ParameterWatch(TorchFunctionMode):
+    """Flags a trainable parameter used by a differentiable op outside the forward of every module that owns it
+    (e.g. `F.linear(h, embedding.weight)` in a parent's forward): the hooks would not see that use."""
+
+    _VIEWS = {"T", "mT", "H", "mH", "real", "imag"}  # differentiable property reads (others: dtype, shape, data...)
+
+    def __init__(self, psg: "PerSequenceGradients"):
+        super().__init__()
+        self.psg = psg
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        psg, name = self.psg, getattr(func, "__name__", "")
+        if (psg._paused or not torch.is_grad_enabled() or name == "detach"
+                or (name == "__get__" and getattr(getattr(func, "__self__", None), "__name__", "") not in self._VIEWS)
+                or not _floats(out)):
+            return out
+        for a in (*args, *kwargs.values()):
+            for t in (a if isinstance(a, (list, tuple)) else (a,)):
+                owners = psg._owners.get(id(t)) if isinstance(t, Tensor) else None
+                if owners and not any(psg._active[id(m)] for m in owners) and not psg._outside:
+                    psg._outside.append((psg._param_names[id(t)], name))
+        return out
 
 
 class PerSequenceGradients:
@@ -60,7 +218,8 @@ class PerSequenceGradients:
     Pass `cu_seqlens` for the packed layout (modules see all N tokens in one row). The backward must be of a
     sum of per-sequence terms (e.g. sum_i sum_t log pi(y_it)); scale a sequence's term by u_i and its
     squared norm scales by u_i^2. `modules` restricts the norms to those modules' parameters (e.g. the LM
-    head alone, a cheaper proxy)."""
+    head alone, a cheaper proxy). A module whose per-sequence gradients cannot be formed exactly raises
+    UnsupportedModuleError naming it (at the forward, or when the norms or gradient are formed)."""
 
     def __init__(self, model: nn.Module, *, num_seqs: Optional[int] = None, cu_seqlens: Optional[Tensor] = None,
                  ghost: Optional[bool] = None, modules: Optional[list] = None, freeze_parameters: bool = False):
@@ -76,6 +235,7 @@ class PerSequenceGradients:
             lengths = self.cu_seqlens[1:] - self.cu_seqlens[:-1]
             self._num_tokens = int(self.cu_seqlens[-1])
             self._max_len = int(lengths.max()) if self.num_seqs > 0 else 0
+            self._lengths = lengths.tolist()
         self.ghost = ghost  # None: cheaper of ghost and materialised per layer; True/False forces one
         self.modules = None if modules is None else list(modules)  # None: every module with parameters
         # freeze_parameters: inside the block trainable parameters do not require grad, so the forward keeps
@@ -85,26 +245,45 @@ class PerSequenceGradients:
         self._frozen: list = []
         self._records: list[_Record] = []
         self._handles = []
+        self._replaying = False  # a replay of a module must not record again
+        self._paused = False
+        self._owners: dict = {}  # id(param) -> the recorded modules that own it
+        self._param_names: dict = {}
+        self._active: dict = defaultdict(int)  # id(module) -> calls of it in progress
+        self._outside: list = []  # (parameter, op): the first use seen outside its modules' forward
+        self._watch: Optional[_ParameterWatch] = None
 
     # -- recording ---------------------------------------------------------------------------------------
     def __enter__(self) -> "PerSequenceGradients":
+        names = {id(p): n for n, p in self.model.named_parameters(remove_duplicate=False)}
         for name, module in self.model.named_modules():
             params = [p for p in module.parameters(recurse=False) if p.requires_grad]
             if not params or (self.modules is not None and not any(module is m for m in self.modules)):
                 continue
-            if isinstance(module, nn.Embedding) and (module.scale_grad_by_freq or module.sparse):
-                raise ValueError(f"embedding {name!r} uses scale_grad_by_freq or sparse gradients: its "
-                                 "per-sequence gradients are not supported")
-            record = _Record(module, name or type(module).__name__)
+            name = name or type(module).__name__
+            rule = _rule(module)
+            if rule == "embedding" and (module.scale_grad_by_freq or module.sparse):
+                raise UnsupportedModuleError(name, "an embedding with scale_grad_by_freq or sparse gradients")
+            record = _Record(module, name, rule)
             self._records.append(record)
+            for p in params:
+                self._owners.setdefault(id(p), []).append(module)
+                self._param_names[id(p)] = names.get(id(p), name)
+            self._handles.append(module.register_forward_pre_hook(self._enter_hook))
+            self._handles.append(module.register_forward_hook(self._exit_hook, always_call=True))
             self._handles.append(module.register_forward_hook(self._forward_hook(record), with_kwargs=True))
         if self.freeze_parameters:
             self._frozen = [p for p in self.model.parameters() if p.requires_grad]
             for p in self._frozen:
                 p.requires_grad_(False)
+        self._watch = _ParameterWatch(self)
+        self._watch.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._watch is not None:
+            self._watch.__exit__(*exc)
+            self._watch = None
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -112,78 +291,142 @@ class PerSequenceGradients:
             p.requires_grad_(True)
         self._frozen = []
 
+    def pause(self):
+        """Context manager: uses of recorded parameters inside it (e.g. an LM head computed by a fused op from
+        the head's weight) are not checked; the caller accounts for their part of the norms."""
+        psg = self
+
+        class _Pause:
+            def __enter__(self):
+                psg._paused = True
+
+            def __exit__(self, *exc):
+                psg._paused = False
+
+        return _Pause()
+
     def _check_unfrozen(self) -> None:
         if self._frozen:
             raise ValueError("leave the PerSequenceGradients block first: its parameters are frozen inside it")
+
+    def _check_complete(self) -> None:
+        """Refuse when a recorded parameter was used outside its modules' forward (its gradient is not seen)."""
+        if self._outside:
+            param, op = self._outside[0]
+            raise UnsupportedModuleError(param.rpartition(".")[0] or param, f"its parameter {param!r} is used by "
+                                         f"{op!r} outside the module's forward, where the hooks cannot see it")
 
     def backward(self, objective: Tensor, retain_graph: bool = False) -> None:
         """Backpropagate `objective` to the recorded module outputs only: their gradients are recorded and the
         parameters' own gradients are not computed (nor accumulated into .grad, nor seen by DDP's hooks);
         `objective.backward()` records the same, at the cost of the parameter gradients."""
-        outputs = [o for rec in self._records for o in rec.outputs if o is not None]
+        self._check_complete()
+        outputs = [o for rec in self._records for c in rec.calls for o in c.outputs if o is not None]
         if outputs:
             torch.autograd.grad(objective, outputs, retain_graph=retain_graph, allow_unused=True)
 
     def release(self) -> None:
         """Drop the records (layer inputs and output gradients): call once the norms and gradient are formed."""
         for rec in self._records:
-            rec.inputs.clear()
-            rec.grads.clear()
-            rec.outputs.clear()
+            rec.calls.clear()
+
+    def _enter_hook(self, module, args):
+        self._active[id(module)] += 1
+
+    def _exit_hook(self, module, args, output):
+        self._active[id(module)] -= 1
 
     def _forward_hook(self, record: _Record):
         def hook(module, args, kwargs, output):
-            if not torch.is_grad_enabled():
+            if self._replaying or not torch.is_grad_enabled():
                 return
-            if not isinstance(output, Tensor):
-                raise ValueError(f"module {record.name!r} returns {type(output).__name__}; per-sequence norms "
-                                 "need modules with parameters to return one tensor")
-            special = isinstance(module, (nn.Linear, nn.Embedding)) or _is_conv1d(module)
-            if not special and (kwargs or sum(isinstance(a, Tensor) for a in args) != 1):
-                raise ValueError(f"module {record.name!r} ({type(module).__name__}) was called with keyword or "
-                                 "several tensor arguments; its per-sequence gradients cannot be replayed")
-            if not output.requires_grad:
-                if not self._frozen:
-                    return
-                output.requires_grad_()  # parameters frozen: the graph starts at the module outputs
-            if (isinstance(module, nn.Embedding) and self.cu_seqlens is None and output.shape[0] == 1
-                    and self.num_seqs > 1):
+            kind = record.rule
+            if kind != "experts" and kind != "generic" and (kwargs or len(args) != 1 or not isinstance(output, Tensor)):
+                kind = "generic"  # the closed forms are for the plain one-argument call
+            leaves, spec = tree_flatten(output)
+            if any(not isinstance(t, (Tensor, int, float, bool, str, type(None))) for t in leaves):
+                raise UnsupportedModuleError(record.name, f"it returns {type(output).__name__}, not tensors")
+            slots = [j for j, t in enumerate(leaves) if isinstance(t, Tensor) and t.is_floating_point()]
+            for j in slots:
+                if not leaves[j].requires_grad and self._frozen and leaves[j].grad_fn is None:
+                    leaves[j] = leaves[j].detach().requires_grad_()  # parameters frozen: the graph starts here
+                elif leaves[j].requires_grad and kind in ("experts", "generic"):
+                    # An alias receives only the gradient from outside the module (a router computes its
+                    # scores from the logits it also returns: their own gradient must not count twice).
+                    leaves[j] = leaves[j].view_as(leaves[j])
+            if not any(leaves[j].requires_grad for j in slots):
+                return
+            if (kind == "embedding" and self.cu_seqlens is None and leaves[0].shape[0] == 1 and self.num_seqs > 1):
                 # An embedding of ids shared by every row (GPT-2's positions, [1, T]) is broadcast by the add
                 # that follows; broadcasting it here keeps each row's gradient apart. Same values, a view.
-                output = output.expand(self.num_seqs, *output.shape[1:])
-                args = (args[0].expand(self.num_seqs, *args[0].shape[1:]),) + tuple(args[1:])
-            slot = len(record.inputs)
-            record.inputs.append(tuple(a.detach() if isinstance(a, Tensor) else a for a in args))
-            record.grads.append(None)
-            record.outputs.append(output)
-
-            def grad_hook(grad):
-                # The first gradient is the recorded one (a second backward through a kept graph must not
-                # replace or add records); the output itself is no longer needed.
-                if slot < len(record.grads) and record.grads[slot] is None:
-                    record.grads[slot] = grad.detach()
-                    record.outputs[slot] = None
-
-            output.register_hook(grad_hook)
-            return output
+                leaves[0] = leaves[0].expand(self.num_seqs, *leaves[0].shape[1:])
+                args = (args[0].expand(self.num_seqs, *args[0].shape[1:]),)
+            detach = lambda t: t.detach() if isinstance(t, Tensor) else t  # noqa: E731
+            outs = [leaves[j] for j in slots]
+            call = _Call(kind, tree_map(detach, tuple(args)), tree_map(detach, dict(kwargs)), list(outs),
+                         [o.detach() for o in outs] if kind in ("experts", "generic") else [], [None] * len(outs))
+            record.calls.append(call)
+            for k, o in enumerate(outs):
+                if o.requires_grad:
+                    o.register_hook(self._grad_hook(call, k))
+            return tree_unflatten(leaves, spec)
 
         return hook
 
-    # -- per-sequence rows -------------------------------------------------------------------------------
-    def _rows(self, x: Tensor, ids: bool = False) -> Tensor:
+    @staticmethod
+    def _grad_hook(call: _Call, k: int):
+        def hook(grad):
+            # The first gradient is the recorded one (a second backward through a kept graph must not replace
+            # it); the output itself is no longer needed.
+            if call.grads[k] is None:
+                call.grads[k] = grad.detach()
+                call.outputs[k] = None
+
+        return hook
+
+    # -- per-sequence layout -----------------------------------------------------------------------------
+    def _token_dim(self, x: Tensor) -> Optional[int]:
+        """Packed: the dimension of x that runs over the N tokens ([1, N, ...] or [N, ...]), else None."""
+        n = self._num_tokens
+        if x.dim() >= 2 and x.shape[0] == 1 and x.shape[1] == n:
+            return 1
+        return 0 if x.dim() >= 1 and x.shape[0] == n else None
+
+    def _per_seq(self, x: Tensor) -> Optional[int]:
+        """Padded: the number of leading rows per sequence (x is [B, ...], or [B r, ...] flattened batch-major
+        with at most one more dimension, as MoE layers see [B T, H]), or None when x is not laid out by sequence."""
+        b = self.num_seqs
+        if x.dim() == 0 or b == 0:
+            return None
+        if x.shape[0] == b:
+            return 1
+        return x.shape[0] // b if x.dim() <= 2 and x.shape[0] % b == 0 else None
+
+    def _seq_major(self, x: Tensor, name: str) -> Tensor:
+        """Padded: x as [B, r, ...] (sequence i's rows at [i]). Packed: x as [N, ...] (tokens first)."""
+        if self.cu_seqlens is None:
+            r = self._per_seq(x)
+            if r is None:
+                raise UnsupportedModuleError(name, f"it saw shape {tuple(x.shape)}, not laid out by sequence "
+                                                   f"(num_seqs = {self.num_seqs})")
+            return x.reshape(self.num_seqs, r, *x.shape[1:]) if r > 1 or x.shape[0] != self.num_seqs else \
+                x.unsqueeze(1)
+        d = self._token_dim(x)
+        if d is None:
+            raise UnsupportedModuleError(name, f"it saw shape {tuple(x.shape)}, expected {self._num_tokens} packed "
+                                               "tokens")
+        return x[0] if d == 1 else x
+
+    def _rows(self, x: Tensor, name: str, ids: bool = False) -> Tensor:
         """Per-sequence rows of a module tensor: [B, L, d] for activations (every vector along the last
         dimension is a row, so [B, d] gives L = 1 and [B, T, H, d] gives L = T H), [B, L] for token ids.
-        Packed tokens, seen as [1, N, ...] or [N, ...], are scattered into zero-padded rows."""
+        Packed tokens are scattered into zero-padded rows."""
         b = self.num_seqs
+        flat = self._seq_major(x, name)
         if self.cu_seqlens is None:
-            if x.shape[0] != b:
-                raise ValueError(f"a module saw batch size {x.shape[0]}, expected num_seqs = {b}")
-            rows = x
+            rows = flat
         else:
             n = self._num_tokens
-            flat = x[0] if x.dim() >= 2 and x.shape[0] == 1 and x.shape[1] == n else x
-            if flat.shape[0] != n:
-                raise ValueError(f"a module saw shape {tuple(x.shape)}, expected {n} packed tokens")
             cu = self.cu_seqlens.to(flat.device)
             seq = self._token_seq(flat.device)
             pos = torch.arange(n, device=flat.device) - cu[seq]
@@ -191,19 +434,42 @@ class PerSequenceGradients:
             rows[seq, pos] = flat
         return rows.reshape(b, -1) if ids else rows.reshape(b, -1, x.shape[-1])
 
-    def _row_weights(self, coefficients: Tensor, like: Tensor) -> Tensor:
-        """Each sequence's coefficient for every row of like.reshape(-1, like.shape[-1]) (tokens in the order
-        the module saw them)."""
-        c = coefficients.to(device=like.device, dtype=torch.promote_types(like.dtype, torch.float32))
+    def _row_seq(self, x: Tensor, name: str) -> Tensor:
+        """The sequence of each leading row of _seq_major(x) flattened over its first two (padded) or first
+        (packed) dimensions."""
+        flat = self._seq_major(x, name)
         if self.cu_seqlens is None:
-            return c.repeat_interleave(like[0].numel() // like.shape[-1] if like.shape[0] else 0)
-        return c[self._token_seq(like.device)]
+            return torch.arange(self.num_seqs, device=x.device).repeat_interleave(flat.shape[1])
+        return self._token_seq(x.device)
+
+    def _row_weights(self, coefficients: Tensor, like: Tensor, name: str) -> Tensor:
+        """Each sequence's coefficient for every row of like.reshape(-1, like.shape[-1]) (rows are batch-major:
+        sequence by sequence, padded; token by token, packed)."""
+        c = coefficients.to(device=like.device, dtype=torch.promote_types(like.dtype, torch.float32))
+        self._seq_major(like, name)  # checks the layout
+        rows = like.numel() // like.shape[-1] if like.shape[-1] else 0
+        if self.cu_seqlens is None:
+            return c.repeat_interleave(rows // self.num_seqs if self.num_seqs else 0)
+        return c[self._token_seq(like.device)].repeat_interleave(rows // self._num_tokens if self._num_tokens else 0)
 
     def _token_seq(self, device) -> Tensor:
         """Sequence index of each packed token."""
         cu = self.cu_seqlens.to(device)
         return torch.repeat_interleave(torch.arange(self.num_seqs, device=device), cu[1:] - cu[:-1],
                                        output_size=self._num_tokens)
+
+    # -- the records ---------------------------------------------------------------------------------------
+    def _uses(self):
+        """(record, call) for every call of a recorded module whose output reached the objective."""
+        for rec in self._records:
+            for call in rec.calls:
+                if any(g is not None for g in call.grads):
+                    yield rec, call
+
+    @staticmethod
+    def _grad(call: _Call, k: int = 0) -> Tensor:
+        g = call.grads[k]
+        return g if g is not None else torch.zeros_like(call.values[k])
 
     # -- gradient assembly ("book-keeping") -------------------------------------------------------------
     @torch.no_grad()
@@ -214,19 +480,29 @@ class PerSequenceGradients:
         Exact when the loss to be optimised is sum_i c_i sum_t log pi(y_it), i.e. its gradient with respect
         to each token's log-prob is constant within a sequence (see vcpo.step for when that holds)."""
         self._check_unfrozen()
+        self._check_complete()
         if coefficients.shape != (self.num_seqs,):
             raise ValueError(f"coefficients must have shape [num_seqs] = [{self.num_seqs}]")
-        for rec, x, grad, args in self._uses():
+        for rec, call in self._uses():
             m = rec.module
-            w = self._row_weights(coefficients, grad)  # one weight per token row
+            if call.kind == "experts":
+                self._experts(rec, call, coefficients)
+                continue
+            if call.kind == "generic":
+                for n, update in self._generic_weighted(rec, call, coefficients).items():
+                    _accumulate(getattr(m, n), update)
+                continue
+            x, grad = call.args[0], call.grads[0]
+            w = self._row_weights(coefficients, grad, rec.name)  # one weight per row
             g2 = grad.reshape(-1, grad.shape[-1])
-            if isinstance(m, nn.Embedding):
+            if call.kind == "embedding":
+                g2 = g2 * _embedding_scale(m)
                 if m.weight.requires_grad:
                     update = torch.zeros_like(m.weight).index_add_(0, x.reshape(-1), (g2 * w[:, None]).to(m.weight.dtype))
                     if m.padding_idx is not None:
                         update[m.padding_idx] = 0
                     _accumulate(m.weight, update)
-            elif isinstance(m, nn.Linear) or _is_conv1d(m):
+            else:
                 a2 = x.reshape(-1, x.shape[-1])
                 if m.weight.requires_grad:
                     # B^T diag(w) A: scale whichever of A and B is narrower (the LM head's B is V wide)
@@ -234,54 +510,49 @@ class PerSequenceGradients:
                         a2w, g2w = a2 * w[:, None].to(a2.dtype), g2
                     else:
                         a2w, g2w = a2, g2 * w[:, None].to(g2.dtype)
-                    _accumulate(m.weight, a2w.T @ g2w if _is_conv1d(m) else g2w.T @ a2w)
+                    _accumulate(m.weight, a2w.T @ g2w if call.kind == "conv1d" else g2w.T @ a2w)
                 if m.bias is not None and m.bias.requires_grad:
                     _accumulate(m.bias, w.to(g2.dtype) @ g2)
-            else:
-                from torch.func import functional_call, vjp
 
-                names = [n for n, p in m.named_parameters(recurse=False) if p.requires_grad]
-                params = {n: getattr(m, n).detach() for n in names}
-                _, pullback = vjp(lambda ps: functional_call(m, ps, args), params)
-                scaled = (g2 * w[:, None].to(g2.dtype)).reshape(grad.shape)
-                for n, update in pullback(scaled)[0].items():
-                    _accumulate(getattr(m, n), update)
-
-    def _uses(self):
-        """(record, first input, output gradient, all inputs) for every call of a recorded module."""
-        for rec in self._records:
-            for args, grad in zip(rec.inputs, rec.grads):
-                if grad is not None:  # None: this output did not reach the loss
-                    yield rec, args[0] if args else None, grad, args
-
+    # -- norms -----------------------------------------------------------------------------------------------
     def sq_norms(self) -> Tensor:
         """[B] float64: sum over trainable parameters of ||per-sequence gradient||^2, tied weights exact."""
         self._check_unfrozen()
-        uses = defaultdict(list)  # id(param) -> [(kind, record, input rows, grad rows, args)]
+        self._check_complete()
+        uses = defaultdict(list)  # id(param) -> [(kind, record, call)]
         params = {}
-        for rec, x, grad, args in self._uses():
+        for rec, call in self._uses():
             m = rec.module
-            if isinstance(m, nn.Embedding):
+            if call.kind == "embedding":
                 kinds = [("embedding", m.weight)]
-            elif isinstance(m, nn.Linear) or _is_conv1d(m):
-                kinds = [("linear", m.weight)] + ([("bias", m.bias)] if m.bias is not None else [])
+            elif call.kind in ("linear", "conv1d"):
+                kinds = [(call.kind, m.weight)] + ([("bias", m.bias)] if m.bias is not None else [])
             else:
-                kinds = [("generic", p) for p in m.parameters(recurse=False)]
+                kinds = [(call.kind, p) for p in m.parameters(recurse=False)]
             for kind, p in kinds:
-                if p is None or not p.requires_grad:
-                    continue
-                params[id(p)] = p
-                uses[id(p)].append((kind, rec, x, grad, args))
+                if p is not None and p.requires_grad:
+                    params[id(p)] = p
+                    uses[id(p)].append((kind, rec, call))
         device = next(iter(params.values())).device if params else torch.device("cpu")
         total = torch.zeros(self.num_seqs, dtype=torch.float64, device=device)
+        generic = {}  # id(call) -> its per-sequence gradients, formed once for all its parameters
+        experts_done = set()
         for pid, use_list in uses.items():
             p = params[pid]
-            if len(use_list) == 1 and use_list[0][0] == "bias":
-                total += self._single_use_norm(use_list[0])
-            elif all(u[0] in ("linear", "embedding") for u in use_list):
-                total += self._tied_norm(use_list)  # one use, or a weight shared by embedding and head
+            kind, rec, call = use_list[0]
+            if kind == "experts":
+                if len(use_list) > 1 or any(len(uses[id(q)]) > 1 for q in rec.module.parameters(recurse=False)
+                                            if q.requires_grad):
+                    raise UnsupportedModuleError(rec.name, "experts weights used by more than one call")
+                if id(call) not in experts_done:
+                    experts_done.add(id(call))
+                    total += self._experts(rec, call).double()
+            elif len(use_list) == 1 and kind == "bias":
+                total += self._single_use_norm(use_list[0]).double()
+            elif all(u[0] in ("linear", "conv1d", "embedding") for u in use_list):
+                total += self._tied_norm(use_list).double()  # one use, or a weight shared by embedding and head
             else:  # materialise each use's per-sequence gradient and add them before the norm
-                g = sum(self._materialised(u, p) for u in use_list)
+                g = sum(self._materialised(u, p, generic) for u in use_list)
                 total += _acc(g).flatten(1).pow(2).sum(1).double()
         return total
 
@@ -292,45 +563,39 @@ class PerSequenceGradients:
         weight this is their cross term, e.g. for an LM head computed outside the recorded modules."""
         self._check_unfrozen()
         total = torch.zeros(self.num_seqs, dtype=torch.float64, device=rows.device)
-        for rec, ids, grad, _ in self._uses():
+        for rec, call in self._uses():
             if rec.module is not module:
                 continue
-            ids = self._rows(ids, ids=True)
+            if call.kind != "embedding":
+                raise UnsupportedModuleError(rec.name, "the cross term with a fused LM head needs a plain or scaled "
+                                                       "embedding called with the input ids")
+            ids = self._rows(call.args[0], rec.name, ids=True)
             if rows.shape[:2] != ids.shape:
                 raise ValueError(f"rows must be [B, T, d] over the embedding's {tuple(ids.shape)} ids, got "
                                  f"{tuple(rows.shape)}")
-            b = _acc(self._rows(grad))
-            if module.padding_idx is not None:
-                b = b * (ids != module.padding_idx).unsqueeze(-1)
+            b = self._embedding_grad_rows(rec, call, ids)
             total += (b * rows.to(b.dtype)).sum((1, 2)).double()
         return total
 
-    def _single_use_norm(self, use) -> Tensor:
-        kind, rec, x, grad, _ = use
-        b = _acc(self._rows(grad))
-        if kind == "bias":
-            return b.sum(1).pow(2).sum(1)
-        if kind == "embedding":
-            return self._embedding_norm(rec.module, x, b)
-        a = _acc(self._rows(x))
-        t, d_in, d_out = a.shape[1], a.shape[2], b.shape[2]
-        ghost = self.ghost if self.ghost is not None else t * (d_in + d_out) <= d_in * d_out
-        if ghost:  # <A A^T, B B^T>: O(T^2 (d_in + d_out)) per sequence
-            return _chunked(lambda a, b: (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(b, b.transpose(1, 2)))
-                            .sum((1, 2)), a, b, per_seq_elements=2 * t * t)
-        # ||B^T A||^2 materialised: O(T d_in d_out) per sequence
-        return _chunked(lambda a, b: torch.bmm(b.transpose(1, 2), a).pow(2).sum((1, 2)), a, b,
-                        per_seq_elements=d_in * d_out)
+    def _embedding_grad_rows(self, rec: _Record, call: _Call, ids: Tensor) -> Tensor:
+        """[B, T, d]: the gradient reaching each looked-up row of the weight (scaled, padding rows zeroed)."""
+        b = _acc(self._rows(call.grads[0], rec.name)) * _embedding_scale(rec.module)
+        if rec.module.padding_idx is not None:
+            b = b * (ids != rec.module.padding_idx).unsqueeze(-1)
+        return b
 
-    def _embedding_norm(self, module: nn.Embedding, ids: Tensor, b: Tensor) -> Tensor:
-        ids = self._rows(ids, ids=True)
-        keep = torch.ones_like(ids, dtype=torch.bool)
-        if module.padding_idx is not None:
-            keep = ids != module.padding_idx  # the padding row receives no gradient
-        b = b * keep.unsqueeze(-1)
-        t = ids.shape[1]
-        return _chunked(lambda ids, b: ((ids.unsqueeze(2) == ids.unsqueeze(1)) * torch.bmm(b, b.transpose(1, 2)))
-                        .sum((1, 2)), ids, b, per_seq_elements=2 * t * t)
+    def _single_use_norm(self, use) -> Tensor:
+        kind, rec, call = use
+        if kind == "bias":
+            return _acc(self._rows(call.grads[0], rec.name)).sum(1).pow(2).sum(1)
+        if kind == "embedding":
+            ids = self._rows(call.args[0], rec.name, ids=True)
+            b = self._embedding_grad_rows(rec, call, ids)
+            t = ids.shape[1]
+            return _chunked(lambda ids, b: ((ids.unsqueeze(2) == ids.unsqueeze(1)) * torch.bmm(b, b.transpose(1, 2)))
+                            .sum((1, 2)), ids, b, per_seq_elements=2 * t * t)
+        return _linear_sq_norms(_acc(self._rows(call.args[0], rec.name)), _acc(self._rows(call.grads[0], rec.name)),
+                                self.ghost)
 
     def _tied_norm(self, use_list) -> Tensor:
         """||sum_u g_u||^2 over the uses of one weight by embeddings and linear layers (e.g. a tied LM head)."""
@@ -347,65 +612,227 @@ class PerSequenceGradients:
         if u[0] == "embedding" and v[0] == "linear":
             # g_emb = sum_t e_{x_t} B^emb_t^T; g_lin = B^lin^T A^lin (weight [V, d] as [out, in]):
             # <g_emb, g_lin> = sum_{t,s} B^lin_{s, x_t} <A^lin_s, B^emb_t>.
-            _, rec_e, ids, grad_e, _ = u
-            _, rec_l, x_l, grad_l, _ = v
-            if _is_conv1d(rec_l.module):
-                raise ValueError(f"weight shared by embedding {rec_e.name!r} and Conv1D {rec_l.name!r}: unsupported")
-            ids = self._rows(ids, ids=True)
-            b_e = _acc(self._rows(grad_e))
-            if rec_e.module.padding_idx is not None:
-                b_e = b_e * (ids != rec_e.module.padding_idx).unsqueeze(-1)
-            a_l = _acc(self._rows(x_l))
-            b_l = _acc(self._rows(grad_l))
+            _, rec_e, call_e = u
+            _, rec_l, call_l = v
+            ids = self._rows(call_e.args[0], rec_e.name, ids=True)
+            b_e = self._embedding_grad_rows(rec_e, call_e, ids)
+            a_l = _acc(self._rows(call_l.args[0], rec_l.name))
+            b_l = _acc(self._rows(call_l.grads[0], rec_l.name))
             inner = torch.bmm(a_l, b_e.transpose(1, 2))  # [B, T_l, T_e]: <A_s, B^emb_t>
             picked = torch.gather(b_l, 2, ids.unsqueeze(1).expand(-1, b_l.shape[1], -1))  # B^lin_{s, x_t}
             return (inner * picked).sum((1, 2))
-        gu, gv = self._materialised(u, None), self._materialised(v, None)
+        gu, gv = self._materialised(u, u[1].module.weight, {}), self._materialised(v, v[1].module.weight, {})
         return (_acc(gu) * _acc(gv)).flatten(1).sum(1)
 
-    def _materialised(self, use, p: Optional[Tensor]) -> Tensor:
+    def _materialised(self, use, p: Tensor, cache: dict) -> Tensor:
         """[B, *param.shape]: the per-sequence gradient of `p` through this one use."""
-        kind, rec, x, grad, args = use
+        kind, rec, call = use
         m = rec.module
-        if kind == "linear":
-            g = torch.bmm(self._rows(grad).transpose(1, 2), self._rows(x))
-            return g.transpose(1, 2) if _is_conv1d(m) else g
+        if kind in ("linear", "conv1d"):
+            g = torch.bmm(_acc(self._rows(call.grads[0], rec.name)).transpose(1, 2), _acc(self._rows(call.args[0], rec.name)))
+            return g.transpose(1, 2) if kind == "conv1d" else g
         if kind == "bias":
-            return self._rows(grad).sum(1)
+            return _acc(self._rows(call.grads[0], rec.name)).sum(1)
         if kind == "embedding":
-            ids = self._rows(x, ids=True)
-            b = self._rows(grad)
+            ids = self._rows(call.args[0], rec.name, ids=True)
+            b = self._embedding_grad_rows(rec, call, ids)
             out = b.new_zeros((self.num_seqs, *m.weight.shape))
             out.scatter_add_(1, ids.unsqueeze(-1).expand(-1, -1, b.shape[-1]), b)
-            if m.padding_idx is not None:
-                out[:, m.padding_idx] = 0
             return out
-        return self._generic_gradients(rec, args, grad)[id(p)]
+        if kind == "experts":
+            raise UnsupportedModuleError(rec.name, "experts weights shared with another module")
+        if id(call) not in cache:
+            cache[id(call)] = self._generic_per_seq(rec, call)
+        return cache[id(call)][id(p)]
 
-    def _generic_gradients(self, rec: _Record, args, grad: Tensor) -> dict:
-        """Per-sequence gradients of a module's own parameters, by vmap over sequences (padded) or over tokens
-        (packed, which assumes the module acts on each token separately, as normalisation layers do)."""
-        from torch.func import functional_call, vjp, vmap
+    # -- any other module: per-sequence replays ------------------------------------------------------------
+    def _replayable(self, rec: _Record, call: _Call):
+        """(params, run, leaves, batched) to replay a module: run(params, inputs) calls it with the recorded
+        arguments, the tensors at positions `batched` of the flattened arguments replaced by `inputs`, and returns
+        its floating-point outputs."""
+        m = rec.module
+        params = {n: p.detach() for n, p in m.named_parameters(recurse=False) if p.requires_grad}
+        leaves, spec = tree_flatten((call.args, call.kwargs))
+        if self.cu_seqlens is None:
+            batched = [j for j, t in enumerate(leaves) if isinstance(t, Tensor) and self._per_seq(t) is not None]
+        else:
+            batched = [j for j, t in enumerate(leaves) if isinstance(t, Tensor) and self._token_dim(t) is not None]
+
+        def run(ps, inputs):
+            full = list(leaves)
+            for j, t in zip(batched, inputs):
+                full[j] = t
+            args, kwargs = tree_unflatten(full, spec)
+            return tuple(_floats(torch.func.functional_call(m, ps, args, kwargs)))
+
+        return params, run, leaves, batched
+
+    def _per_seq_parts(self, x: Tensor, rec: _Record):
+        """Padded: (x as [B, r, ...], vmap dim 0). Packed: (x with a unit dimension after the token one, so each
+        token keeps x's rank, and the token dimension to vmap over)."""
+        if self.cu_seqlens is None:
+            return self._seq_major(x, rec.name), 0
+        d = self._token_dim(x)
+        return x.unsqueeze(d + 1), d
+
+    def _generic_per_seq(self, rec: _Record, call: _Call) -> dict:
+        """{id(param): [B, *shape]}: the per-sequence gradients of a module's own parameters, by a vjp of the
+        module replayed under vmap over sequences (padded) or tokens (packed, for modules that act on each token
+        separately), else in a loop over sequences; every replay must reproduce the module's recorded output."""
+        from torch.func import vjp, vmap
 
         m = rec.module
-        names = [n for n, p in m.named_parameters(recurse=False) if p.requires_grad]
-        params = {n: getattr(m, n).detach() for n in names}
-        x = args[0]
+        params, run, leaves, batched = self._replayable(rec, call)
+        cotangents = [self._grad(call, k) for k in range(len(call.values))]
+        ins = [self._per_seq_parts(leaves[j], rec) for j in batched]
+        outs = [self._per_seq_parts(v, rec) for v in call.values]
 
-        def one(xi, gi):
-            def f(ps):
-                return functional_call(m, ps, (xi,))
+        def one(inputs, cots):
+            replay, pullback = vjp(lambda ps: run(ps, inputs), params)
+            return replay, pullback(tuple(cots))[0]
 
-            _, pullback = vjp(f, params)
-            return pullback(gi)[0]
+        self._replaying = True
+        try:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # vmap's "no batching rule, falling back" performance warnings
+                    replay, grads = vmap(one, in_dims=([d for _, d in ins], [d for _, d in outs]), out_dims=(
+                        tuple(d for _, d in outs), 0))([t for t, _ in ins],
+                                                        [self._per_seq_parts(c, rec)[0] for c in cotangents])
+                ok = len(replay) == len(outs) and all(_replay_matches(r, t) for r, (t, _) in zip(replay, outs))
+            except Exception:  # data-dependent control flow, ops vmap cannot batch: replay sequence by sequence
+                ok = False
+            if ok and self.cu_seqlens is not None:  # per token: sum each sequence's tokens
+                seq = self._token_seq(next(iter(grads.values())).device) if grads else None
+                grads = {n: g.new_zeros((self.num_seqs, *g.shape[1:])).index_add_(0, seq, g) for n, g in grads.items()}
+            if not ok:
+                grads = self._generic_loop(rec, call, params, run, leaves, batched, cotangents)
+        finally:
+            self._replaying = False
+        return {id(getattr(m, n)): g for n, g in grads.items()}
 
+    def _slice(self, x: Tensor, i: int) -> Tensor:
+        """Sequence i's part of a batched tensor, with x's rank."""
         if self.cu_seqlens is None:
-            per = vmap(one)(x, grad)  # {name: [B, *shape]}
-        else:
-            n = self._num_tokens
-            packed = lambda t: t[0] if t.dim() >= 2 and t.shape[0] == 1 and t.shape[1] == n else t  # noqa: E731
-            flat_x, flat_g = packed(x), packed(grad)  # [N, ...]: one entry per token
-            per_token = vmap(one)(flat_x, flat_g)
-            seq = self._token_seq(x.device)
-            per = {n: t.new_zeros((self.num_seqs, *t.shape[1:])).index_add_(0, seq, t) for n, t in per_token.items()}
-        return {id(getattr(m, n)): per[n] for n in names}
+            r = self._per_seq(x)
+            return x.narrow(0, i * r, r)
+        start = sum(self._lengths[:i])
+        return x.narrow(self._token_dim(x), start, self._lengths[i])
+
+    def _generic_loop(self, rec, call, params, run, leaves, batched, cotangents) -> dict:
+        from torch.func import vjp
+
+        per = defaultdict(list)
+        for i in range(self.num_seqs):
+            replay, pullback = vjp(lambda ps: run(ps, [self._slice(leaves[j], i) for j in batched]), params)
+            if len(replay) != len(call.values) or not all(
+                    _replay_matches(r, self._slice(v, i)) for r, v in zip(replay, call.values)):
+                raise UnsupportedModuleError(rec.name, f"{type(rec.module).__name__} replayed on one sequence does "
+                                                       "not reproduce its output on the batch (it mixes sequences, is "
+                                                       "random, e.g. dropout in train mode, or its inputs are not "
+                                                       "laid out by sequence)")
+            for n, g in pullback(tuple(self._slice(c, i) for c in cotangents))[0].items():
+                per[n].append(g)
+        return {n: torch.stack(gs) for n, gs in per.items()}
+
+    def _generic_weighted(self, rec: _Record, call: _Call, coefficients: Tensor) -> dict:
+        """{name: sum_i c_i g_i} for a module's own parameters: one vjp of the whole call, each output row's
+        gradient scaled by its sequence's coefficient."""
+        from torch.func import vjp
+
+        params, run, leaves, batched = self._replayable(rec, call)
+        cots = []
+        for k in range(len(call.values)):
+            g = self._grad(call, k)
+            cots.append(g * self._row_weights(coefficients, g.unsqueeze(-1), rec.name).view(g.shape).to(g.dtype))
+        self._replaying = True
+        try:
+            replay, pullback = vjp(lambda ps: run(ps, [leaves[j] for j in batched]), params)
+        finally:
+            self._replaying = False
+        if not all(_replay_matches(r, v) for r, v in zip(replay, call.values)):
+            raise UnsupportedModuleError(rec.name, "replaying it does not reproduce its output (random?)")
+        return pullback(tuple(cots))[0]
+
+    # -- mixture-of-experts layers --------------------------------------------------------------------------
+    def _experts(self, rec: _Record, call: _Call, coefficients: Optional[Tensor] = None) -> Optional[Tensor]:
+        """A transformers experts module: with no coefficients, [B] per-sequence squared norms of all its
+        weights; with coefficients, accumulates sum_i c_i g_i into their .grad.
+
+        Token t routed to expert e with weight r: z1 = W1[e] x + b1[e], a = gate(z1), z2 = W2[e] a + b2[e],
+        out_t += r z2. So dW2[e] = sum dz2 a^T with dz2 = r dout_t, and dW1[e] = sum dz1 x^T with dz1 the
+        gate's vjp of da = W2[e]^T dz2: each expert is two linear layers over the (sequence, token) pairs routed
+        to it, with ghost or materialised norms per expert and sequence. The replayed output must match the
+        module's."""
+        m = rec.module
+        if getattr(m, "_is_expert_parallel", False):
+            raise UnsupportedModuleError(rec.name, "expert-parallel experts")
+        try:
+            names = list(inspect.signature(type(m).forward.__wrapped__).parameters)[1:4]
+            bound = inspect.signature(type(m).forward.__wrapped__).bind(m, *call.args, **call.kwargs).arguments
+            x, index, weight = (bound[n] for n in names)
+        except (TypeError, KeyError, ValueError):
+            raise UnsupportedModuleError(rec.name, "experts called with arguments other than (hidden states, expert "
+                                                   "ids, routing weights)") from None
+        gated = m.has_gate
+        w1 = m.gate_up_proj if gated else m.up_proj
+        b1 = (m.gate_up_proj_bias if gated else m.up_proj_bias) if m.has_bias else None
+        w2, b2 = m.down_proj, (m.down_proj_bias if m.has_bias else None)
+        transposed = m.is_transposed  # weights [E, in, out] rather than [E, out, in]
+        x, dout = _acc(x), _acc(self._grad(call))
+        seq_of_token = self._row_seq(x, rec.name)
+        n, k = index.shape
+        flat_e = index.reshape(-1)
+        order = torch.argsort(flat_e, stable=True)
+        counts = torch.bincount(flat_e, minlength=w1.shape[0]).tolist()  # one host read
+        token = torch.arange(n, device=x.device).repeat_interleave(k)
+        route = _acc(weight).reshape(-1)
+        replay = torch.zeros_like(x)
+        total = torch.zeros(self.num_seqs, dtype=x.dtype, device=x.device)
+        start = 0
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            sel = order[start:start + count]
+            start += count
+            tok, r = token[sel], route[sel, None]
+            xe = x[tok]
+            W1, W2 = _acc(w1[e].detach()), _acc(w2[e].detach())
+            W1, W2 = (W1.T, W2.T) if transposed else (W1, W2)  # as [out, in]
+            z1 = xe @ W1.T + (_acc(b1[e].detach()) if b1 is not None else 0)
+            with torch.enable_grad():
+                z1 = z1.detach().requires_grad_()
+                a_graph = m._apply_gate(z1) if gated else m.act_fn(z1)
+            a = a_graph.detach()
+            z2 = a @ W2.T + (_acc(b2[e].detach()) if b2 is not None else 0)
+            replay.index_add_(0, tok, z2 * r)
+            dz2 = dout[tok] * r
+            (dz1,) = torch.autograd.grad(a_graph, z1, dz2 @ W2)
+            seq = seq_of_token[tok]
+            parts = [(w1, dz1, xe, b1), (w2, dz2, a, b2)]
+            if coefficients is not None:
+                c = coefficients.to(x.device, x.dtype)[seq, None]
+                for w, dz, inp, bias in parts:
+                    if w.requires_grad:
+                        gw = (dz * c).T @ inp
+                        w.grad = torch.zeros_like(w) if w.grad is None else w.grad
+                        w.grad[e] += (gw.T if transposed else gw).to(w.dtype)
+                    if bias is not None and bias.requires_grad:
+                        bias.grad = torch.zeros_like(bias) if bias.grad is None else bias.grad
+                        bias.grad[e] += (c * dz).sum(0).to(bias.dtype)
+                continue
+            # rows of each sequence's pairs, zero-padded: [B, L, d] with L the most pairs a sequence sent here
+            per = torch.bincount(seq, minlength=self.num_seqs)
+            pos = torch.arange(count, device=x.device) - (torch.cumsum(per, 0) - per)[seq]
+            length = int(per.max())
+            for w, dz, inp, bias in parts:
+                if w.requires_grad:
+                    rows_a = inp.new_zeros(self.num_seqs, length, inp.shape[1]).index_put_((seq, pos), inp)
+                    rows_b = dz.new_zeros(self.num_seqs, length, dz.shape[1]).index_put_((seq, pos), dz)
+                    total += _linear_sq_norms(rows_a, rows_b, self.ghost)
+                if bias is not None and bias.requires_grad:
+                    total += dz.new_zeros(self.num_seqs, dz.shape[1]).index_add_(0, seq, dz).pow(2).sum(1)
+        if not _replay_matches(replay, call.values[0]):
+            raise UnsupportedModuleError(rec.name, f"{type(m).__name__} computes something other than the standard "
+                                                   "routed experts (gate/up, activation, down, routing weight)")
+        return total if coefficients is None else None
