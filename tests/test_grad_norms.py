@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from vcpo.grad_norms import PerSequenceGradients
+from vcpo.grad_norms import PerSequenceGradients, UnsupportedModuleError
 
 
 def brute_force(objectives, params):
@@ -272,43 +272,126 @@ def test_linear_inputs_of_any_rank(ghost):
     torch.testing.assert_close(psg.sq_norms(), want, rtol=1e-10, atol=1e-12)
 
 
-def test_unsupported_modules_are_named():
-    class TwoInputs(nn.Module):
+class _TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3))
+
+    def forward(self, x, y, scale=1.0):
+        return self.w * x + scale * y * self.w.pow(2)
+
+
+class _Router(nn.Module):
+    """Returns its logits and scores computed from them (a router's tuple): only the gradient reaching each
+    output from outside may be replayed through it."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 3))
+
+    def forward(self, x):
+        logits = torch.nn.functional.linear(x, self.weight)
+        return logits, torch.softmax(logits, -1), logits.argmax(-1)
+
+
+class _ScaledEmbedding(nn.Embedding):
+    """Not registered: its forward is not nn.Embedding's, so it must not get the plain embedding's rule."""
+
+    def forward(self, ids):
+        return super().forward(ids) * 3.0
+
+
+class _ShiftedLinear(nn.Linear):
+    def forward(self, x):
+        return super().forward(x + 1.0)
+
+
+class _ManyKinds(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = _ScaledEmbedding(11, 3)
+        self.pair = _TwoInputs()
+        self.router = _Router()
+        self.lin = _ShiftedLinear(4, 11)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        h = self.pair(h, torch.tanh(h), scale=0.5)
+        logits, scores, _ = self.router(h)
+        return self.lin(logits * scores + logits)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_modules_without_a_closed_form_are_replayed_exactly(layout):
+    """Keyword and several tensor arguments, tuple outputs used inside the module, subclasses of nn.Embedding
+    and nn.Linear with another forward: norms and assembled gradient against the brute-force loop."""
+    torch.manual_seed(8)
+    model = _ManyKinds().double()
+    if layout == "padded":
+        ids, targets = torch.randint(0, 11, (3, 5)), torch.randint(0, 11, (3, 5))
+        kw, b = dict(num_seqs=3), 3
+
+        def objectives(lp):
+            return [lp[i].sum() for i in range(b)]
+    else:
+        cu = torch.tensor([0, 4, 5, 9])
+        ids, targets = torch.randint(0, 11, (1, 9)), torch.randint(0, 11, (1, 9))
+        kw, b = dict(cu_seqlens=cu), 3
+
+        def objectives(lp):
+            return [lp[0, int(cu[i]):int(cu[i + 1])].sum() for i in range(b)]
+
+    def forward():
+        return _token_logp(model(ids), targets)
+
+    want = brute_force(objectives(forward()), list(model.parameters()))
+    with PerSequenceGradients(model, **kw) as psg:
+        psg.backward(sum(objectives(forward())))
+    assert all(call.kind == "generic" for rec in psg._records for call in rec.calls)
+    torch.testing.assert_close(psg.sq_norms(), want, rtol=1e-10, atol=1e-12)
+    _assemble_vs_brute(model, forward, objectives, kw, b)
+
+
+def test_refusals_name_the_module():
+    class OutsideUse(nn.Module):
+        """Uses the embedding's weight outside the embedding's forward: that gradient would be missed."""
+
         def __init__(self):
             super().__init__()
-            self.w = nn.Parameter(torch.ones(3))
+            self.emb = nn.Embedding(5, 3)
 
-        def forward(self, x, y):
-            return self.w * x + y
+        def forward(self, ids):
+            return torch.nn.functional.linear(self.emb(ids), self.emb.weight)
+
+    class MixesSequences(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(3))
+
+        def forward(self, x):
+            return self.w * x + (self.w * x).mean(0)
 
     class Net(nn.Module):
         def __init__(self, embedding):
             super().__init__()
-            self.pair = TwoInputs()
             self.emb = embedding
+            self.mix = MixesSequences()
 
         def forward(self, ids):
-            h = self.emb(ids)
-            return self.pair(h, h)
+            return self.mix(self.emb(ids))
 
-    class KeywordCall(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inner = TwoInputs()
-
-        def forward(self, x):
-            return self.inner(x, y=1.0)
-
-    net = Net(nn.Embedding(5, 3))
-    with pytest.raises(ValueError, match="'pair'.*several tensor arguments"):
-        with PerSequenceGradients(net, num_seqs=2) as psg:
-            psg.backward(net(torch.randint(0, 5, (2, 4))).sum())
-    keyword = KeywordCall()
-    with pytest.raises(ValueError, match="'inner'.*keyword"):
-        with PerSequenceGradients(keyword, num_seqs=2):
-            keyword(torch.randn(2, 4, 3)).sum().backward()
+    ids = torch.randint(0, 5, (2, 4))
+    model = OutsideUse()
+    with pytest.raises(UnsupportedModuleError, match=r"module 'emb'.*'emb.weight' is used by 'linear' outside"):
+        with PerSequenceGradients(model, num_seqs=2) as psg:
+            psg.backward(model(ids).sum())
+    net = Net(nn.Embedding(5, 3)).double()
+    with PerSequenceGradients(net, num_seqs=2) as psg:
+        psg.backward(net(ids).sum())
+    with pytest.raises(UnsupportedModuleError, match="'mix'.*does not reproduce its output"):
+        psg.sq_norms()
     for flags in (dict(scale_grad_by_freq=True), dict(sparse=True)):
-        with pytest.raises(ValueError, match="'emb'"):
+        with pytest.raises(UnsupportedModuleError, match="'emb'.*scale_grad_by_freq"):
             with PerSequenceGradients(Net(nn.Embedding(5, 3, **flags)), num_seqs=2):
                 pass
 

@@ -18,7 +18,7 @@ class VCPOConfig(PolicyLossOptions):
 
     backend: str = "auto"
     # The update step (vcpo.step): what G_i in the OPOB weights is, how the gradient is formed, clipping.
-    grad_norms: str = "exact"  # "exact" | "lm_head" | "length" | "uniform"
+    grad_norms: str = "exact"  # "exact" | "auto" | "lm_head" | "length" | "uniform"
     assembly: str = "auto"  # "auto" | "bookkeeping" | "two_pass"
     grad_clip: Optional[float] = 1.0
     # Log-probs through vcpo_kernels.linear_logprobs from the last hidden states and the LM head's weight,
@@ -39,10 +39,12 @@ class VCPOConfig(PolicyLossOptions):
             raise ValueError(f"grad_clip must be a number > 0 or None, got {self.grad_clip!r}")
 
 
-# exact: ||grad_theta sum_t log pi(y_it)||^2 over all trainable parameters, from one batched backward;
-# lm_head: the same over the output layer's parameters only; length: G_i = L_i (OPO's length weighting);
-# uniform: G_i = 1 (the baseline then weights sequences by w_i^2 alone).
-GRAD_NORMS = ("exact", "lm_head", "length", "uniform")
+# exact: ||grad_theta sum_t log pi(y_it)||^2 over all trainable parameters, from one batched backward (a model
+# with a module it cannot handle exactly is refused: vcpo.grad_norms.UnsupportedModuleError); auto: exact where the model
+# is supported, else lm_head with one warning naming the module; lm_head: the same over the output layer's
+# parameters only; length: G_i = L_i (OPO's length weighting); uniform: G_i = 1 (the baseline then weights
+# sequences by w_i^2 alone).
+GRAD_NORMS = ("exact", "auto", "lm_head", "length", "uniform")
 # bookkeeping: the gradient sum_i k_i g_i is formed from the norm pass's stored layer inputs and output
 # gradients (one backward in all; exact when d loss / d log pi is constant within a sequence: bypass mode and
 # sequence-level weights; needs grad_norms="exact"); two_pass: a second backward of the loss (any options;

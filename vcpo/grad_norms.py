@@ -248,16 +248,19 @@ class PerSequenceGradients:
         self._replaying = False  # a replay of a module must not record again
         self._paused = False
         self._owners: dict = {}  # id(param) -> the recorded modules that own it
-        self._param_names: dict = {}
+        self._param_names: dict = {}  # id(param) -> its name in the model
         self._active: dict = defaultdict(int)  # id(module) -> calls of it in progress
         self._outside: list = []  # (parameter, op): the first use seen outside its modules' forward
         self._watch: Optional[_ParameterWatch] = None
 
     # -- recording ---------------------------------------------------------------------------------------
     def __enter__(self) -> "PerSequenceGradients":
-        names = {id(p): n for n, p in self.model.named_parameters(remove_duplicate=False)}
+        self._param_names = {id(p): n for n, p in self.model.named_parameters(remove_duplicate=False)}
+        owned = defaultdict(list)  # id(param) -> every module that has it as its own parameter
         for name, module in self.model.named_modules():
             params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+            for p in params:
+                owned[id(p)].append(module)
             if not params or (self.modules is not None and not any(module is m for m in self.modules)):
                 continue
             name = name or type(module).__name__
@@ -266,12 +269,14 @@ class PerSequenceGradients:
                 raise UnsupportedModuleError(name, "an embedding with scale_grad_by_freq or sparse gradients")
             record = _Record(module, name, rule)
             self._records.append(record)
-            for p in params:
-                self._owners.setdefault(id(p), []).append(module)
-                self._param_names[id(p)] = names.get(id(p), name)
+            self._handles.append(module.register_forward_hook(self._forward_hook(record), with_kwargs=True))
+        # The recorded parameters are watched: a use outside the forward of every module owning it is refused.
+        for rec in self._records:
+            for p in rec.module.parameters(recurse=False):
+                self._owners[id(p)] = owned[id(p)]
+        for module in {id(m): m for ms in self._owners.values() for m in ms}.values():
             self._handles.append(module.register_forward_pre_hook(self._enter_hook))
             self._handles.append(module.register_forward_hook(self._exit_hook, always_call=True))
-            self._handles.append(module.register_forward_hook(self._forward_hook(record), with_kwargs=True))
         if self.freeze_parameters:
             self._frozen = [p for p in self.model.parameters() if p.requires_grad]
             for p in self._frozen:
@@ -744,7 +749,15 @@ class PerSequenceGradients:
         cots = []
         for k in range(len(call.values)):
             g = self._grad(call, k)
-            cots.append(g * self._row_weights(coefficients, g.unsqueeze(-1), rec.name).view(g.shape).to(g.dtype))
+            c = coefficients.to(g.device, g.dtype)
+            if self.cu_seqlens is None:  # [B r, ...]: r leading rows per sequence
+                self._seq_major(g, rec.name)
+                w = c.repeat_interleave(g.shape[0] // self.num_seqs).view(-1, *[1] * (g.dim() - 1))
+            else:  # tokens along one dimension
+                d = self._token_dim(g)
+                self._seq_major(g, rec.name)
+                w = c[self._token_seq(g.device)].view(*[1] * d, -1, *[1] * (g.dim() - d - 1))
+            cots.append(g * w)
         self._replaying = True
         try:
             replay, pullback = vjp(lambda ps: run(ps, [leaves[j] for j in batched]), params)

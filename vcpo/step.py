@@ -5,8 +5,10 @@ loss, the gradient (book-keeping or a second backward), clipping and the ESS-sca
 from __future__ import annotations
 
 import math
+import warnings
+import weakref
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -15,7 +17,7 @@ from torch import Tensor, nn
 import vcpo_kernels as vk
 
 from .config import VCPOConfig
-from .grad_norms import PerSequenceGradients
+from .grad_norms import PerSequenceGradients, UnsupportedModuleError
 from .loss import policy_loss
 from .lr import scale_lr
 
@@ -104,6 +106,29 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch
     config = config if config is not None else VCPOConfig()
     if not isinstance(batch, RolloutBatch):
         raise ValueError(f"batch must be a vcpo.RolloutBatch, got {type(batch).__name__}")
+    if config.grad_norms != "auto":
+        return _step(model, optimizer, batch, config, process_group)
+    if model not in _HEAD_ONLY:
+        try:
+            return _step(model, optimizer, batch, replace(config, grad_norms="exact"), process_group)
+        except UnsupportedModuleError as err:  # raised before any gradient is kept: the step starts again
+            _HEAD_ONLY[model] = err.module
+            warnings.warn(f"grad_norms='auto' uses the LM head's norm for {type(model).__name__}: {err}", stacklevel=2)
+    return _step(model, optimizer, batch, replace(config, grad_norms="lm_head"), process_group)
+
+
+# grad_norms="auto": the models whose exact norms were refused, with the module that forced the head-only norm.
+_HEAD_ONLY: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
+
+
+def _model_kwargs(model: nn.Module) -> dict:
+    """No key/value cache: a training forward does not need one, and the modules replayed per sequence for the
+    norms must not see (and update) it."""
+    return {"use_cache": False} if hasattr(getattr(model, "config", None), "use_cache") else {}
+
+
+def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch, config: VCPOConfig,
+          process_group) -> dict[str, float]:
     exact_ok = _bookkeeping_exact(config, batch)
     if config.assembly == "bookkeeping" and not exact_ok:
         raise ValueError("assembly='bookkeeping' needs bypass mode (no old_logp) and is_level != 'token'; "
@@ -130,9 +155,9 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch
                 if psg_needed else nullcontext())
     with recorder as psg:
         if fused is not None:
-            logp = fused.logp()
+            logp = fused.logp(psg)
         else:
-            logits = model(input_ids=ids, attention_mask=batch.attention_mask).logits
+            logits = model(input_ids=ids, attention_mask=batch.attention_mask, **_model_kwargs(model)).logits
             logp = token_logp(logits[:, :-1], ids[:, 1:])
             del logits
         if record:  # the norm pass: sum_i sum_t log pi(y_it) back to the recorded layers, no weight gradients
@@ -207,19 +232,21 @@ class _FusedHead:
             self.sq = torch.zeros(b, dtype=torch.float64, device=mask.device)
         self.hidden = None
 
-    def logp(self) -> Tensor:
+    def logp(self, psg: Optional[PerSequenceGradients]) -> Tensor:
         ids = self.batch.input_ids
         b, t = ids.shape
-        self.hidden = self.body(input_ids=ids, attention_mask=self.batch.attention_mask).last_hidden_state
+        self.hidden = self.body(input_ids=ids, attention_mask=self.batch.attention_mask,
+                                **_model_kwargs(self.body)).last_hidden_state
         record_rows = self.sq is not None and self.tied and self.config.grad_norms == "exact"
         if record_rows:  # d W_i at the input ids: the embedding's rows of the shared weight
             dt = torch.promote_types(self.hidden.dtype, torch.float32)
             self.rows = torch.zeros(b, t, self.hidden.shape[-1], dtype=dt, device=ids.device)
-        out = vk.linear_logprobs(
-            self.hidden[:, :-1].reshape(-1, self.hidden.shape[-1]), self.head.weight, self.targets,
-            bias=self.head.bias, cu_seqlens=None if self.sq is None else self.cu, seq_grad_sq_norm=self.sq,
-            seq_grad_row_ids=ids if record_rows else None, seq_grad_rows=self.rows, validate=False,
-            backend=self.config.backend)
+        with psg.pause() if psg is not None else nullcontext():  # the head's part of the norms is added here
+            out = vk.linear_logprobs(
+                self.hidden[:, :-1].reshape(-1, self.hidden.shape[-1]), self.head.weight, self.targets,
+                bias=self.head.bias, cu_seqlens=None if self.sq is None else self.cu, seq_grad_sq_norm=self.sq,
+                seq_grad_row_ids=ids if record_rows else None, seq_grad_rows=self.rows, validate=False,
+                backend=self.config.backend)
         return out.logp.view(b, t - 1)
 
     def head_sq_norms(self, psg: Optional[PerSequenceGradients]) -> Tensor:
