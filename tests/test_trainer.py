@@ -184,7 +184,7 @@ SYNC_CHECK = textwrap.dedent("""
         for p in model.parameters():
             p.add_(torch.randn_like(p), alpha=0.3)
     stale, _ = gap()
-    engine.load_weights({k: v.clone() for k, v in model.state_dict().items()})
+    engine.load_weights({k: v.clone() for k, v in model.state_dict().items()}, 1)
     synced, n = gap()
     print(json.dumps({"before": before, "stale": stale, "synced": synced, "tokens": n}))
     engine.close()

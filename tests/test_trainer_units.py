@@ -25,6 +25,12 @@ from vcpo.trainer.task import (PromptStream, addition_problems, exact_match, loa
     ({"model": "/no/such/folder"}, "model"), ({"engine_cores": "0-x"}, "engine_cores"),
     ({"trainer_cores": "4096"}, "trainer_cores"), ({"weight_decay": -0.1}, "weight_decay"),
     ({"kv_cache_gib": 0}, "kv_cache_gib"),
+    ({"engine": "server", "engine_servers": 0}, "engine_servers"),
+    ({"engine": "server", "engine_urls": "http://127.0.0.1:80a"}, "engine_urls"),
+    ({"engine": "server", "engine_urls": "127.0.0.1:8000"}, "engine_urls"),
+    ({"engine": "server"}, "engine_urls"), ({"engine_servers": 2}, "engine_servers"),
+    ({"engine": "server", "engine_servers": 1, "weight_swap": "later"}, "weight_swap"),
+    ({"engine": "server", "engine_servers": 1, "engine_timeout": 0}, "engine_timeout"),
 ])
 def test_bad_settings_name_the_setting(change, name):
     with pytest.raises(ValueError, match=name):
@@ -78,11 +84,22 @@ def test_config_file_errors(tmp_path):
         load_file(str(other))
 
 
+def test_server_urls_are_parsed():
+    cfg = make_config(engine="server", engine_urls="http://127.0.0.1:8000/, http://gpu-node-2:8001")
+    assert cfg.server_urls() == ["http://127.0.0.1:8000", "http://gpu-node-2:8001"]
+    with pytest.raises(ValueError, match="listed twice"):
+        make_config(engine="server", engine_urls="http://a:1,http://a:1")
+
+
 def test_cli_reports_bad_settings(capsys):
     from vcpo.cli import main
 
     assert main(["train", "--steps", "0"]) == 2
     assert "steps must be an integer >= 1" in capsys.readouterr().err
+    assert main(["train", "--engine", "server", "--engine-servers", "0"]) == 2
+    assert "engine_servers must be an integer >= 1, got 0" in capsys.readouterr().err
+    assert main(["train", "--engine", "server", "--engine-urls", "http://127.0.0.1:eighty"]) == 2
+    assert "engine_urls: the port of 'http://127.0.0.1:eighty' is not a number" in capsys.readouterr().err
     assert main(["train", "--is-threshold", "-3"]) == 2
     assert "is_threshold" in capsys.readouterr().err
     assert main(["train", "--resume", "/no/such/run"]) == 2
@@ -177,7 +194,8 @@ def _drive(k: int, steps: int, gen_s: float, train_s: float, seed: int = 0, stop
         time.sleep(rng.uniform(0, gen_s))
         return GeneratedBatch(index, v, [Rollout(index, index, 0, [1], [2], [0.0], None, 0.0, v)])
 
-    def load(weights):
+    def load(weights, v):
+        assert v == weights["v"]
         with lock:
             engine["version"] = weights["v"]
             engine["loads"].append(weights["v"])
@@ -215,6 +233,37 @@ def test_producer_bounds_staleness_and_drops_nothing(k, fast):
         assert lags == [0] * 40
 
 
+def test_producer_loads_weights_while_a_batch_is_generated():
+    """concurrent_sync (engine: server): weights published during a batch go in at once, from the sync thread;
+    a rollout records its first and last version and the bound holds for the first."""
+    engine = {"version": 0}
+    spans = []
+
+    def make_batch(index, admitted):
+        first = engine["version"]
+        assert first >= admitted
+        time.sleep(0.02)
+        last = engine["version"]
+        spans.append((first, last))
+        return GeneratedBatch(index, first, [Rollout(index, index, 0, [1], [2], [0.0], None, 0.0, first,
+                                                     last_version=last if last != first else None)])
+
+    def load(weights, v):
+        time.sleep(0.003)
+        engine["version"] = v
+
+    prod = RolloutProducer(make_batch=make_batch, load_weights=load, max_staleness=2, version=0, next_batch=0,
+                           end_batch=30, concurrent_sync=True).start()
+    try:
+        for step in range(30):
+            batch = prod.take(step)
+            assert 0 <= step - batch.version <= 2
+            prod.publish(step + 1, {"v": step + 1})
+    finally:
+        prod.stop()
+    assert any(first != last for first, last in spans)  # weights changed while a batch was being generated
+
+
 def test_producer_resumes_with_pending_batches():
     # an interrupted run: stop after 10 steps, keep (next batch, pending), continue in a new producer
     first, prod = _drive(3, steps=30, gen_s=0.001, train_s=0.01, stop_at=10)
@@ -239,14 +288,14 @@ def test_producer_reports_its_failures_and_out_of_bounds_lag():
     def broken(index, version):
         raise OSError("engine died")
 
-    prod = RolloutProducer(make_batch=broken, load_weights=lambda w: None, max_staleness=1, version=0,
+    prod = RolloutProducer(make_batch=broken, load_weights=lambda w, v: None, max_staleness=1, version=0,
                            next_batch=0, end_batch=3).start()
     with pytest.raises(RuntimeError, match="rollout thread failed") as info:
         prod.take(0)
     assert isinstance(info.value.__cause__, OSError)
     prod.stop()
     stale = GeneratedBatch(5, 0, [])
-    prod = RolloutProducer(make_batch=broken, load_weights=lambda w: None, max_staleness=2, version=5,
+    prod = RolloutProducer(make_batch=broken, load_weights=lambda w, v: None, max_staleness=2, version=5,
                            next_batch=6, end_batch=6, pending=[stale])
     with pytest.raises(StalenessError, match="lag 5"):
         prod.take(5)

@@ -1,4 +1,5 @@
-"""The `vcpo` command: `vcpo train` (docs/trainer.md) and `vcpo plot`."""
+"""The `vcpo` command: `vcpo train` (docs/trainer.md), `vcpo serve` (a vLLM server, docs/scale.md) and
+`vcpo plot`."""
 
 from __future__ import annotations
 
@@ -40,12 +41,18 @@ SETTING_HELP = {
     "lr": "AdamW learning rate (default: 3e-4 on the tiny model, else 1e-6)", "weight_decay": "AdamW",
     "checkpoint_every": "steps between checkpoints", "keep_checkpoints": "checkpoints kept",
     "eval_every": "versions between greedy evaluations",
-    "engine": "process (vLLM in its own processes) or inprocess",
+    "engine": "process (vLLM in its own processes), inprocess, or server (a pool of vLLM servers, docs/scale.md)",
     "engine_cores": "CPU: the engine's cores, e.g. 1 (default: the last)",
     "trainer_cores": "CPU: the trainer's cores (default: the others)",
     "kv_cache_gib": "the engine's KV cache (CPU)", "dtype": "the engine's dtype: float32, bfloat16, float16",
     "max_model_len": "default: the longest prompt plus max_new_tokens",
     "gpu_memory_utilization": "GPU: the engine's share of the GPU memory",
+    "engine_urls": "engine server: running vLLM servers, http://host:port,... (see vcpo serve)",
+    "engine_servers": "engine server: start this many local vLLM servers instead",
+    "weights_dir": "engine server: a folder every server can read, for new weights (default: <run>/.weights)",
+    "weight_swap": "engine server: requests in flight during a weight sync: wait (finish on the old weights), "
+                   "keep (continue on the new ones) or abort (start again)",
+    "engine_timeout": "engine server: seconds without an answer before a server is marked down",
 }
 
 
@@ -96,7 +103,14 @@ def _train(args: argparse.Namespace) -> int:
         cfg = resume_config(resume, **settings)
     else:
         cfg = make_config(load_file(config_file) if config_file else None, **settings)
-    summary = train(cfg, resume=resume is not None, progress=progress)
+    from .trainer.pool import EngineUnavailable
+    from .trainer.servers import ServerStartError
+
+    try:
+        summary = train(cfg, resume=resume is not None, progress=progress)
+    except (EngineUnavailable, ServerStartError) as e:
+        print(f"vcpo train: error: {e}", file=sys.stderr)
+        return 1
     final = summary["final_eval"]
     print(f"run folder: {summary['run_dir']}  steps: {summary['steps']}  wall: {summary['wall_seconds']:.0f} s"
           + (f"  held-out accuracy: {final['accuracy']:.3f}" if final else ""))
@@ -121,9 +135,16 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:  # every argument is vLLM's: `vcpo serve MODEL --port 8000 ...`
+        from .trainer.servers import serve
+
+        return serve(argv[1:])
     parser = argparse.ArgumentParser(prog="vcpo", description="Variance-controlled off-policy RL for LLMs")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
+    sub.add_parser("serve", help="a vLLM server for `vcpo train --engine server`: the arguments of `vllm serve`",
+                   add_help=False)
     plot = sub.add_parser("plot", help="one figure comparing the curves of several runs")
     plot.add_argument("runs", nargs="+", metavar="[LABEL=]RUN")
     plot.add_argument("-o", "--output", default="compare.png")

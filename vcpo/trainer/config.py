@@ -29,7 +29,8 @@ LOSS_PRESETS: dict[str, dict[str, Any]] = {
     "ppo": {"is_correction": "none", "advantage": "grpo", "lr_rule": None, "grad_norms": "uniform",
             "clip_ratio": (0.2, 0.28)},
 }
-ENGINE_MODES = ("process", "inprocess")
+ENGINE_MODES = ("process", "inprocess", "server")
+WEIGHT_SWAPS = ("wait", "keep", "abort")
 
 
 @dataclass
@@ -69,6 +70,12 @@ class TrainConfig:
     dtype: str = "float32"
     max_model_len: Optional[int] = None
     gpu_memory_utilization: float = 0.3
+    # engine: server (docs/scale.md)
+    engine_urls: Optional[str] = None  # running vLLM servers, "http://host:port,..."
+    engine_servers: Optional[int] = None  # or: start this many local servers
+    weights_dir: Optional[str] = None  # where the servers read new weights; default <run>/.weights
+    weight_swap: str = "wait"  # what requests in flight do during a weight sync: wait, keep, abort
+    engine_timeout: float = 600.0  # seconds without an answer before a server is marked down
 
     @property
     def builtin(self) -> bool:
@@ -137,8 +144,33 @@ class TrainConfig:
             v = getattr(self, name)
             if v is not None:
                 parse_cores(v, name)
+        self._validate_server_settings()
         self.vcpo_config()
         return self
+
+    def _validate_server_settings(self) -> None:
+        if self.weight_swap not in WEIGHT_SWAPS:
+            raise ValueError(f"weight_swap must be one of {list(WEIGHT_SWAPS)}, got {self.weight_swap!r}")
+        if isinstance(self.engine_timeout, bool) or not isinstance(self.engine_timeout, (int, float)) or \
+                not self.engine_timeout > 0 or not math.isfinite(self.engine_timeout):
+            raise ValueError(f"engine_timeout must be a finite number of seconds > 0, got {self.engine_timeout!r}")
+        if self.engine != "server":
+            for name in ("engine_urls", "engine_servers", "weights_dir"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} is a setting of the server pool: add --engine server")
+            return
+        if (self.engine_urls is None) == (self.engine_servers is None):
+            raise ValueError("engine: server needs exactly one of engine_urls (running servers) and engine_servers "
+                             "(how many to start here)")
+        if self.engine_servers is not None:
+            v = self.engine_servers
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"engine_servers must be an integer >= 1, got {v!r}")
+        else:
+            parse_urls(self.engine_urls)
+
+    def server_urls(self) -> list[str]:
+        return parse_urls(self.engine_urls) if self.engine_urls is not None else []
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -157,6 +189,26 @@ def parse_cores(spec: str, name: str = "cores") -> list[int]:
     if not cores or any(c not in allowed for c in cores):
         raise ValueError(f"{name} {spec!r} names cores outside this process's {sorted(allowed)}")
     return cores
+
+
+def parse_urls(spec: str) -> list[str]:
+    """"http://host:port,..." -> the URLs, each with a scheme, a host and a numeric port."""
+    from urllib.parse import urlsplit
+
+    urls = [u.strip() for u in str(spec).split(",") if u.strip()]
+    if not urls:
+        raise ValueError(f"engine_urls must list server URLs like http://host:8000,http://host2:8000, got {spec!r}")
+    for url in urls:
+        parts = urlsplit(url)
+        try:
+            port = parts.port
+        except ValueError:
+            raise ValueError(f"engine_urls: the port of {url!r} is not a number from 0 to 65535") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname or port is None:
+            raise ValueError(f"engine_urls: {url!r} is not like http://host:port")
+    if len(set(urls)) != len(urls):
+        raise ValueError(f"engine_urls: a URL is listed twice in {spec!r}")
+    return [u.rstrip("/") for u in urls]
 
 
 FIELD_NAMES = {f.name for f in fields(TrainConfig)}

