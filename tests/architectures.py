@@ -116,7 +116,7 @@ def check(model_type: str) -> tuple[str, str]:
     per_seq = [torch.autograd.grad(logp[i].sum(), params, retain_graph=True, allow_unused=True) for i in range(B)]
     want = torch.stack([sum(g.double().pow(2).sum() for g in gs if g is not None) for gs in per_seq]).detach()
     try:
-        with PerSequenceGradients(model, num_seqs=B) as psg:
+        with PerSequenceGradients(model, num_seqs=B, seq_len=T) as psg:
             psg.backward(_logp(model, rb).sum())
         got = psg.sq_norms()
     except UnsupportedModuleError as err:
@@ -129,7 +129,10 @@ def check(model_type: str) -> tuple[str, str]:
     # one vcpo.step (book-keeping) against the update assembled from the per-sequence gradients
     config = vcpo.VCPOConfig(ess_base_ratio=1.0, grad_clip=None, backend="torch")
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    vcpo.step(model, opt, rb, config)
+    try:
+        vcpo.step(model, opt, rb, config)
+    except UnsupportedModuleError as err:
+        return "refused", "in vcpo.step: " + str(err).split(". Exact per-sequence")[0]
     mask = rb.loss_mask[:, 1:] != 0
     leaf = logp.detach().requires_grad_()
     out = vk.policy_loss(leaf, rb.behavior_logp[:, 1:], mask=mask, rewards=rb.rewards, group_index=rb.group_index,
@@ -140,7 +143,8 @@ def check(model_type: str) -> tuple[str, str]:
     # relative to the largest update of any parameter: a few models compute parts in float32 even in a float64
     # model (Gemma's norms, MoE routers' softmax), so their own tiny updates carry float32 rounding
     diff = scale = 0.0
-    for p, q, *gs in zip(model.parameters(), reference.parameters(), *per_seq):
+    trainable = [q for q in reference.parameters() if q.requires_grad]
+    for p, q, *gs in zip(params, trainable, *per_seq):
         update = lr * sum((k[i] * g for i, g in enumerate(gs) if g is not None), torch.zeros_like(q))
         diff = max(diff, float((p.detach() - (q.detach() - update)).abs().max()))
         scale = max(scale, float(update.abs().max()))

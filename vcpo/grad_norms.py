@@ -215,14 +215,16 @@ class PerSequenceGradients:
     """Context manager: `with PerSequenceGradients(model, num_seqs=B) as psg: loss.backward()`, then
     `psg.sq_norms()` gives [B] float64 per-sequence squared gradient norms over every trainable parameter.
 
-    Pass `cu_seqlens` for the packed layout (modules see all N tokens in one row). The backward must be of a
+    Pass `cu_seqlens` for the packed layout (modules see all N tokens in one row), `seq_len` (T) with num_seqs
+    for models that flatten [B, T] to [B T] tokens (mixture-of-experts layers). The backward must be of a
     sum of per-sequence terms (e.g. sum_i sum_t log pi(y_it)); scale a sequence's term by u_i and its
     squared norm scales by u_i^2. `modules` restricts the norms to those modules' parameters (e.g. the LM
     head alone, a cheaper proxy). A module whose per-sequence gradients cannot be formed exactly raises
     UnsupportedModuleError naming it (at the forward, or when the norms or gradient are formed)."""
 
     def __init__(self, model: nn.Module, *, num_seqs: Optional[int] = None, cu_seqlens: Optional[Tensor] = None,
-                 ghost: Optional[bool] = None, modules: Optional[list] = None, freeze_parameters: bool = False):
+                 seq_len: Optional[int] = None, ghost: Optional[bool] = None, modules: Optional[list] = None,
+                 freeze_parameters: bool = False):
         if (num_seqs is None) == (cu_seqlens is None):
             raise ValueError("pass num_seqs (padded layout) or cu_seqlens (packed layout), not both")
         if cu_seqlens is not None and (cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1):
@@ -230,6 +232,8 @@ class PerSequenceGradients:
         self.model = model
         self.cu_seqlens = None if cu_seqlens is None else cu_seqlens.to(torch.int64)
         self.num_seqs = int(num_seqs) if num_seqs is not None else self.cu_seqlens.numel() - 1
+        # padded: the sequence length T, for modules that see the tokens flattened to [B T, ...] (MoE layers)
+        self.seq_len = None if seq_len is None else int(seq_len)
         # Packed: the token count and the longest sequence size the per-sequence rows (one host read).
         if self.cu_seqlens is not None:
             lengths = self.cu_seqlens[1:] - self.cu_seqlens[:-1]
@@ -361,11 +365,15 @@ class PerSequenceGradients:
                     leaves[j] = leaves[j].view_as(leaves[j])
             if not any(leaves[j].requires_grad for j in slots):
                 return
-            if (kind == "embedding" and self.cu_seqlens is None and leaves[0].shape[0] == 1 and self.num_seqs > 1):
-                # An embedding of ids shared by every row (GPT-2's positions, [1, T]) is broadcast by the add
-                # that follows; broadcasting it here keeps each row's gradient apart. Same values, a view.
-                leaves[0] = leaves[0].expand(self.num_seqs, *leaves[0].shape[1:])
-                args = (args[0].expand(self.num_seqs, *args[0].shape[1:]),)
+            if (kind in ("embedding", "generic") and self.cu_seqlens is None and self.num_seqs > 1
+                    and all(leaves[j].dim() >= 2 and leaves[j].shape[0] == 1 for j in slots)):
+                # An output shared by every row (GPT-2's or BART's position embeddings of [1, T] positions) is
+                # broadcast by the add that follows; broadcasting it here keeps each row's gradient apart.
+                # Same values, a view.
+                for j in slots:
+                    leaves[j] = leaves[j].expand(self.num_seqs, *leaves[j].shape[1:])
+                if kind == "embedding":
+                    args = (args[0].expand(self.num_seqs, *args[0].shape[1:]),)
             detach = lambda t: t.detach() if isinstance(t, Tensor) else t  # noqa: E731
             outs = [leaves[j] for j in slots]
             call = _Call(kind, tree_map(detach, tuple(args)), tree_map(detach, dict(kwargs)), list(outs),
@@ -398,14 +406,19 @@ class PerSequenceGradients:
         return 0 if x.dim() >= 1 and x.shape[0] == n else None
 
     def _per_seq(self, x: Tensor) -> Optional[int]:
-        """Padded: the number of leading rows per sequence (x is [B, ...], or [B r, ...] flattened batch-major
-        with at most one more dimension, as MoE layers see [B T, H]), or None when x is not laid out by sequence."""
-        b = self.num_seqs
+        """Padded: the number of leading rows per sequence of x, or None when x is not laid out by sequence.
+        x is [B, ...]; with seq_len = T given, also [B T, d] or [B T] (tokens flattened batch-major, as MoE
+        layers see them). With B = T > 1 a 1-D x or 2-D floating-point x of leading dimension B is not taken as laid
+        out by sequence: it may be a [T, d] tensor shared by all sequences, not one row each ([B, T] ids are)."""
+        b, t = self.num_seqs, self.seq_len
         if x.dim() == 0 or b == 0:
             return None
-        if x.shape[0] == b:
-            return 1
-        return x.shape[0] // b if x.dim() <= 2 and x.shape[0] % b == 0 else None
+        if x.dim() <= 2 and t is not None:
+            if x.shape[0] == b * t:
+                return t
+            ambiguous = b == t > 1 and (x.dim() == 1 or x.is_floating_point())
+            return 1 if x.shape[0] == b and not ambiguous else None
+        return 1 if x.shape[0] == b else None
 
     def _seq_major(self, x: Tensor, name: str) -> Tensor:
         """Padded: x as [B, r, ...] (sequence i's rows at [i]). Packed: x as [N, ...] (tokens first)."""
@@ -668,7 +681,9 @@ class PerSequenceGradients:
             for j, t in zip(batched, inputs):
                 full[j] = t
             args, kwargs = tree_unflatten(full, spec)
-            return tuple(_floats(torch.func.functional_call(m, ps, args, kwargs)))
+            # tie_weights=False: a parameter also owned by a child (BERT's decoder bias) is replaced only where this
+            # module uses it itself; the child's uses are its own record's
+            return tuple(_floats(torch.func.functional_call(m, ps, args, kwargs, tie_weights=False)))
 
         return params, run, leaves, batched
 
@@ -763,7 +778,9 @@ class PerSequenceGradients:
             replay, pullback = vjp(lambda ps: run(ps, [leaves[j] for j in batched]), params)
         finally:
             self._replaying = False
-        if not all(_replay_matches(r, v) for r, v in zip(replay, call.values)):
+        # an output broadcast to every row by the forward hook is replayed as the module's one shared row
+        cots = [c.sum(0, keepdim=True) if r.shape[0] == 1 and c.shape[0] > 1 else c for r, c in zip(replay, cots)]
+        if not all(_replay_matches(r, v[:1] if r.shape[0] == 1 else v) for r, v in zip(replay, call.values)):
             raise UnsupportedModuleError(rec.name, "replaying it does not reproduce its output (random?)")
         return pullback(tuple(cots))[0]
 

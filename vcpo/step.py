@@ -151,7 +151,8 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatc
     else:
         fused, psg_needed = None, record
     modules = None if config.grad_norms == "exact" else [model.get_output_embeddings()]
-    recorder = (PerSequenceGradients(model, num_seqs=b, modules=modules, freeze_parameters=bookkeeping)
+    recorder = (PerSequenceGradients(model, num_seqs=b, seq_len=ids.shape[1], modules=modules,
+                                     freeze_parameters=bookkeeping)
                 if psg_needed else nullcontext())
     with recorder as psg:
         if fused is not None:
