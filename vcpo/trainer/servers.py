@@ -141,8 +141,8 @@ class LocalServers:
         while waiting:
             for i in sorted(waiting):
                 if self.procs[i].poll() is not None:
-                    raise ServerStartError(f"vLLM server {i} ({self.urls[i]}) exited with code {self.procs[i].returncode}"
-                                       f" while starting:\n{self._log_tail(i)}")
+                    raise ServerStartError(f"vLLM server {i} ({self.urls[i]}) exited with code "
+                                           f"{self.procs[i].returncode} while starting:\n{self._log_tail(i)}")
                 try:
                     if httpx.get(self.urls[i] + "/health", timeout=2.0).status_code == 200:
                         waiting.discard(i)
