@@ -34,7 +34,7 @@ if _build_cuda():
     extension = CUDAExtension(
         name="vcpo_kernels._C",
         sources=SOURCES + sorted(glob.glob("csrc/cuda/*.cu")),
-        include_dirs=[os.path.join(HERE, "csrc", "cpu")] + _cuda_include_dirs(),
+        include_dirs=[os.path.join(HERE, "csrc"), os.path.join(HERE, "csrc", "cpu")] + _cuda_include_dirs(),
         extra_compile_args={"cxx": CXX_FLAGS, "nvcc": NVCC_FLAGS},
         extra_link_args=["-fopenmp"],
     )
@@ -42,7 +42,7 @@ else:
     extension = CppExtension(
         name="vcpo_kernels._C",
         sources=SOURCES,
-        include_dirs=[os.path.join(HERE, "csrc", "cpu")],
+        include_dirs=[os.path.join(HERE, "csrc"), os.path.join(HERE, "csrc", "cpu")],
         extra_compile_args={"cxx": CXX_FLAGS},
         extra_link_args=["-fopenmp"],
     )

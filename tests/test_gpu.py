@@ -1,6 +1,8 @@
 """The GPU backends ("cuda" and "triton" on CUDA tensors) against the float64 reference on the CPU: every
 option set, both layouts, fp32/fp64/bf16, long sequences, linear_logprobs, and no host sync in a loss call.
-Skipped without a GPU (bench/gpu_check.sh runs them on one)."""
+The GPU tests skip without a GPU (bench/gpu_check.sh runs them on one); the comparisons of long sequences and
+of linear_logprobs also run here with the CPU backends in float32 as the second run (the same bodies, a dtype
+change in place of the device move), so their plumbing is exercised on every machine."""
 
 import zlib
 
@@ -10,13 +12,21 @@ import torch
 import vcpo_kernels as vk
 from batches import Batch, random_batch
 from cases import OPTION_CASES, WITH_OLD
-from helpers import assert_matches, run
+from helpers import assert_matches, assert_refuses_other_devices, run, vcpo_op_calls
 
 GPU = torch.cuda.is_available()
 GPU_BACKENDS = [b for b in vk.available_backends("cuda") if b != "torch"] if GPU else []
-pytestmark = [pytest.mark.skipif(not GPU, reason="no CUDA device"),
-              pytest.mark.parametrize("backend", GPU_BACKENDS or ["none"])]
+cpu_rehearsal = pytest.mark.parametrize("backend", [b for b in vk.available_backends("cpu") if b != "torch"])
 CASES = [(name, old) for name in OPTION_CASES for old in ([False, True] if name in WITH_OLD else [False])]
+# Tolerances against the float64 reference by the dtype of the run under test.
+TOL = {torch.float64: dict(rtol=1e-10, atol=1e-12), torch.float32: dict(rtol=2e-5, atol=2e-6),
+       torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}
+
+
+def on_gpu(test):
+    """Run for every GPU backend; skipped without a GPU."""
+    test = pytest.mark.parametrize("backend", GPU_BACKENDS or ["none"])(test)
+    return pytest.mark.skipif(not GPU, reason="no CUDA device")(test)
 
 
 def _cuda(batch: Batch) -> Batch:
@@ -30,9 +40,16 @@ def _cpu(out):
     return type(out)(**{k: v.cpu() for k, v in vars(out).items()})
 
 
+def _leaf(x: torch.Tensor, device: str, dtype: torch.dtype) -> torch.Tensor:
+    """A fresh leaf on device in dtype: .to() alone would return x itself when nothing changes (which would
+    then require grad), or a non-leaf whose .grad stays None."""
+    return x.detach().to(device, dtype).requires_grad_()
+
+
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("name,with_old", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@on_gpu
 def test_matches_reference_on_gpu(backend, name, with_old, layout, dtype):
     seed = zlib.crc32(f"gpu{name}{with_old}{layout}{dtype}".encode())
     batch = random_batch(seed, layout, dtype=torch.float32 if dtype == torch.bfloat16 else dtype, with_old=with_old)
@@ -40,14 +57,12 @@ def test_matches_reference_on_gpu(backend, name, with_old, layout, dtype):
         batch = batch.to(torch.bfloat16)
     want, want_grad = run(batch.to(torch.float64), "torch", **OPTION_CASES[name])
     got, got_grad = run(_cuda(batch), backend, **OPTION_CASES[name])
-    tol = {torch.float64: dict(rtol=1e-10, atol=1e-12), torch.float32: dict(rtol=2e-5, atol=2e-6),
-           torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}[dtype]
     assert got_grad.dtype == dtype
-    assert_matches(_cpu(got), got_grad.cpu(), want, want_grad, **tol)
+    assert_matches(_cpu(got), got_grad.cpu(), want, want_grad, **TOL[dtype])
 
 
-@pytest.mark.parametrize("lengths", [[131072, 3, 70000], [1] * 300])
-def test_long_and_many_sequences_on_gpu(backend, lengths):
+def long_and_many_sequences(backend: str, device: str, dtype: torch.dtype, lengths: list) -> None:
+    """policy_loss of `backend` on `device` in `dtype` against the float64 reference on the CPU."""
     g = torch.Generator().manual_seed(len(lengths))
     n = sum(lengths)
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
@@ -58,15 +73,63 @@ def test_long_and_many_sequences_on_gpu(backend, lengths):
     kw = dict(old_logp=old, rewards=torch.rand(b, generator=g, dtype=torch.float64),
               group_index=torch.arange(b) % 2, num_groups=2, is_level="token", clip_ratio=(0.2, 0.2))
     results = []
-    for backend_, device in (("torch", "cpu"), (backend, "cuda")):
-        lp = logp.to(device).requires_grad_()
-        args = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
-        out = vk.policy_loss(lp, mu.to(device), cu_seqlens=cu.to(device), backend=backend_, **args)
+    for backend_, device_, dtype_ in (("torch", "cpu", torch.float64), (backend, device, dtype)):
+        lp = _leaf(logp, device_, dtype_)
+        cast = lambda v: v.to(device_, dtype_ if v.is_floating_point() else v.dtype)  # noqa: E731
+        args = {k: cast(v) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+        out = vk.policy_loss(lp, cast(mu), cu_seqlens=cu.to(device_), backend=backend_, **args)
         out.loss.backward()
+        assert lp.grad is not None and lp.grad.dtype == dtype_
         results.append((_cpu(out), lp.grad.cpu()))
-    assert_matches(*results[1], *results[0], rtol=1e-10, atol=1e-12)
+    assert_matches(*results[1], *results[0], **TOL[dtype])
 
 
+def linear_logprobs_matches(backend: str, device: str, dtype: torch.dtype) -> None:
+    """linear_logprobs (values and both gradients) of `backend` on `device` in `dtype` against float64 on the CPU."""
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(300, 64, generator=g, dtype=torch.float64)
+    weight = torch.randn(5000, 64, generator=g, dtype=torch.float64) / 8
+    targets = torch.randint(0, 5000, (300,), generator=g)
+    targets[3] = -100
+    results = []
+    for backend_, device_, dtype_ in (("torch", "cpu", torch.float64), (backend, device, dtype)):
+        h, w = _leaf(hidden, device_, dtype_), _leaf(weight, device_, dtype_)
+        out = vk.linear_logprobs(h, w, targets.to(device_), return_entropy=True, return_sum_p2=True, chunk_size=128,
+                                 backend=backend_)
+        (out.logp.sum() + out.entropy.sum() + out.sum_p2.sum()).backward()
+        assert h.grad is not None and w.grad is not None
+        results.append([t.detach().cpu().double() for t in (out.logp, out.entropy, out.sum_p2, h.grad, w.grad)])
+    tol = dict(rtol=1e-9, atol=1e-11) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
+    for name, a, b in zip(("logp", "entropy", "sum_p2", "d hidden", "d weight"), *results):
+        torch.testing.assert_close(a, b, **tol, msg=lambda m: f"{name}: {m}")
+
+
+LENGTHS = [[131072, 3, 70000], [1] * 300]
+
+
+@pytest.mark.parametrize("lengths", LENGTHS)
+@on_gpu
+def test_long_and_many_sequences_on_gpu(backend, lengths):
+    long_and_many_sequences(backend, "cuda", torch.float64, lengths)
+
+
+@pytest.mark.parametrize("lengths", LENGTHS)
+@cpu_rehearsal
+def test_long_and_many_sequences_rehearsal_on_cpu(backend, lengths):
+    long_and_many_sequences(backend, "cpu", torch.float32, lengths)
+
+
+@on_gpu
+def test_linear_logprobs_on_gpu(backend):
+    linear_logprobs_matches(backend, "cuda", torch.float64)
+
+
+@cpu_rehearsal
+def test_linear_logprobs_rehearsal_on_cpu(backend):
+    linear_logprobs_matches(backend, "cpu", torch.float32)
+
+
+@on_gpu
 def test_no_host_sync_in_a_loss_call(backend):
     batch = _cuda(random_batch(3, "packed", with_old=True))
     logp = batch.logp.detach().clone().requires_grad_()
@@ -81,19 +144,8 @@ def test_no_host_sync_in_a_loss_call(backend):
         torch.cuda.set_sync_debug_mode("default")
 
 
-def test_linear_logprobs_on_gpu(backend):
-    g = torch.Generator().manual_seed(5)
-    hidden = torch.randn(300, 64, generator=g, dtype=torch.float64)
-    weight = torch.randn(5000, 64, generator=g, dtype=torch.float64) / 8
-    targets = torch.randint(0, 5000, (300,), generator=g)
-    targets[3] = -100
-    results = []
-    for backend_, device in (("torch", "cpu"), (backend, "cuda")):
-        h = hidden.to(device).requires_grad_()
-        w = weight.to(device).requires_grad_()
-        out = vk.linear_logprobs(h, w, targets.to(device), return_entropy=True, return_sum_p2=True, chunk_size=128,
-                                 backend=backend_)
-        (out.logp.sum() + out.entropy.sum() + out.sum_p2.sum()).backward()
-        results.append([t.detach().cpu() for t in (out.logp, out.entropy, out.sum_p2, h.grad, w.grad)])
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+@pytest.mark.skipif(not GPU, reason="no CUDA device")
+def test_cuda_kernels_refuse_a_tensor_on_another_device():
+    calls = vcpo_op_calls("cuda", "cuda")
+    assert len(calls) == 7
+    assert assert_refuses_other_devices(calls, "cuda", "cpu") >= 30

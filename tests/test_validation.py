@@ -5,7 +5,7 @@ import torch
 
 import vcpo
 import vcpo_kernels as vk
-from helpers import COMPILED_BACKENDS
+from helpers import COMPILED_BACKENDS, assert_refuses_other_devices, vcpo_op_calls
 
 ALL_BACKENDS = ["torch"] + COMPILED_BACKENDS
 B, T = 4, 6
@@ -154,3 +154,13 @@ def test_config_errors():
         vcpo.ess_lr_scale(0.5, rule="cube")
     with pytest.raises(ValueError, match="ess_ratio"):
         vcpo.ess_lr_scale(-0.5)
+
+
+def test_every_kernel_refuses_a_tensor_on_another_device():
+    # The CPU kernels and the CUDA ones share these checks (csrc/checks.h): a tensor on another device than
+    # the op's would be indexed through a foreign pointer. Meta tensors stand in for the other device here.
+    calls = vcpo_op_calls("cpu", "cpu")
+    assert {op.__name__.split(".")[0] for op in calls} == {
+        "sequence_stats", "effective_sample_size", "opob_baseline", "policy_loss", "policy_loss_backward",
+        "logit_rows_forward", "logit_rows_backward"}
+    assert assert_refuses_other_devices(calls, "cpu", "meta") >= 30

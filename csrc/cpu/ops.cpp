@@ -8,6 +8,7 @@
 #include <cmath>
 #include <optional>
 
+#include "checks.h"
 #include "policy_loss.h"
 
 namespace vcpo {
@@ -16,12 +17,7 @@ namespace {
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 
-at::ScalarType acc_dtype(at::ScalarType logp) { return logp == at::kDouble ? at::kDouble : at::kFloat; }
-
-void check_cpu_contiguous(const Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), "vcpo: ", name, " must be on the CPU");
-  TORCH_CHECK(t.is_contiguous(), "vcpo: ", name, " must be contiguous");
-}
+const at::Device kCpu(at::kCPU);  // where every tensor of a call to these kernels must be
 
 void check_groups(const OptTensor& group_index, int64_t num_groups) {
   TORCH_CHECK(num_groups >= 1, "vcpo: num_groups must be >= 1");
@@ -32,30 +28,23 @@ void check_groups(const OptTensor& group_index, int64_t num_groups) {
   }
 }
 
-void check_seq(const OptTensor& t, const char* name, int64_t n, at::ScalarType dtype) {
-  if (!t) return;
-  check_cpu_contiguous(*t, name);
-  TORCH_CHECK(t->dim() == 1 && t->size(0) == n, "vcpo: ", name, " must have shape [", n, "]");
-  TORCH_CHECK(t->scalar_type() == dtype, "vcpo: ", name, " must have dtype ", dtype);
-}
-
 TokenView token_view(const Tensor& logp, const Tensor& behavior_logp, const OptTensor& old_logp,
                      const OptTensor& mask, const Tensor& cu_seqlens) {
-  check_cpu_contiguous(logp, "logp");
-  check_cpu_contiguous(behavior_logp, "behavior_logp");
-  check_cpu_contiguous(cu_seqlens, "cu_seqlens");
+  check_tensor(logp, "logp", kCpu);
+  check_tensor(behavior_logp, "behavior_logp", kCpu);
+  check_tensor(cu_seqlens, "cu_seqlens", kCpu);
   TORCH_CHECK(logp.dim() == 1, "vcpo: logp must be 1-D (packed)");
   const int64_t n = logp.numel();
   TORCH_CHECK(behavior_logp.sizes() == logp.sizes(), "vcpo: behavior_logp must match logp");
   TORCH_CHECK(behavior_logp.scalar_type() == logp.scalar_type() || behavior_logp.scalar_type() == at::kFloat,
               "vcpo: behavior_logp must have logp's dtype or float32");
   if (old_logp) {
-    check_cpu_contiguous(*old_logp, "old_logp");
+    check_tensor(*old_logp, "old_logp", kCpu);
     TORCH_CHECK(old_logp->sizes() == logp.sizes(), "vcpo: old_logp must match logp");
     TORCH_CHECK(old_logp->scalar_type() == behavior_logp.scalar_type(),
                 "vcpo: old_logp must have behavior_logp's dtype");
   }
-  check_seq(mask, "mask", n, at::kBool);
+  check_seq(mask, "mask", n, at::kBool, kCpu);
   TORCH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.numel() >= 1 && cu_seqlens.scalar_type() == at::kLong,
               "vcpo: cu_seqlens must be a 1-D int64 tensor");
   const int64_t* cu = cu_seqlens.data_ptr<int64_t>();
@@ -119,12 +108,12 @@ std::tuple<Tensor, Tensor, Tensor> sequence_stats_cpu(const Tensor& logp, const 
 
 std::tuple<Tensor, Tensor, Tensor> effective_sample_size_cpu(const Tensor& log_weight, const OptTensor& seq_length,
                                                              double ess_base_ratio, int64_t lr_rule) {
-  check_cpu_contiguous(log_weight, "log_weight");
+  check_tensor(log_weight, "log_weight", kCpu);
   TORCH_CHECK(log_weight.dim() == 1, "vcpo: log_weight must be 1-D");
   TORCH_CHECK(log_weight.scalar_type() == at::kFloat || log_weight.scalar_type() == at::kDouble,
               "vcpo: log_weight must be float32 or float64");
   const int64_t b = log_weight.numel();
-  check_seq(seq_length, "seq_length", b, log_weight.scalar_type());
+  check_seq(seq_length, "seq_length", b, log_weight.scalar_type(), kCpu);
   Tensor ess = at::empty({}, log_weight.options()), ratio = at::empty({}, log_weight.options()),
          lr = at::empty({}, log_weight.options());
   AT_DISPATCH_FLOATING_TYPES(log_weight.scalar_type(), "vcpo_ess", [&] {
@@ -142,14 +131,14 @@ std::tuple<Tensor, Tensor> opob_baseline_cpu(const Tensor& rewards, const Tensor
                                              const OptTensor& grad_sq_norm, const OptTensor& group_index,
                                              const OptTensor& seq_length, int64_t num_groups, bool length_norm,
                                              bool norm_by_std) {
-  check_cpu_contiguous(log_weight, "log_weight");
+  check_tensor(log_weight, "log_weight", kCpu);
   const int64_t b = log_weight.numel();
   const auto dtype = log_weight.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble, "vcpo: log_weight must be float32 or float64");
-  check_seq(rewards, "rewards", b, dtype);
-  check_seq(grad_sq_norm, "grad_sq_norm", b, dtype);
-  check_seq(group_index, "group_index", b, at::kLong);
-  check_seq(seq_length, "seq_length", b, dtype);
+  check_seq(rewards, "rewards", b, dtype, kCpu);
+  check_seq(grad_sq_norm, "grad_sq_norm", b, dtype, kCpu);
+  check_seq(group_index, "group_index", b, at::kLong, kCpu);
+  check_seq(seq_length, "seq_length", b, dtype, kCpu);
   check_groups(group_index, num_groups);
   Tensor length = seq_length ? *seq_length : at::ones({b}, log_weight.options());
   Tensor baseline = at::empty({num_groups}, log_weight.options()), adv = at::empty({b}, log_weight.options());
@@ -174,10 +163,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> policy_loss_cpu(
   const int64_t b = v.num_seqs;
   const auto acc = acc_dtype(logp.scalar_type());
   TORCH_CHECK(rewards.has_value() != advantages.has_value(), "vcpo: pass exactly one of rewards, advantages");
-  check_seq(rewards, "rewards", b, acc);
-  check_seq(advantages, "advantages", b, acc);
-  check_seq(grad_sq_norm, "grad_sq_norm", b, acc);
-  check_seq(group_index, "group_index", b, at::kLong);
+  check_seq(rewards, "rewards", b, acc, kCpu);
+  check_seq(advantages, "advantages", b, acc, kCpu);
+  check_seq(grad_sq_norm, "grad_sq_norm", b, acc, kCpu);
+  check_seq(group_index, "group_index", b, at::kLong, kCpu);
   check_groups(group_index, num_groups);
   const auto opts = logp.options().dtype(acc);
   Tensor loss = at::empty({}, opts), scalars = at::empty({kNumScalars}, opts), baseline = at::empty({num_groups}, opts),
@@ -216,8 +205,8 @@ Tensor policy_loss_backward_cpu(const Tensor& grad_loss, const Tensor& logp, con
                                 std::optional<double> clip_c) {
   const TokenView v = token_view(logp, behavior_logp, old_logp, mask, cu_seqlens);
   const auto acc = acc_dtype(logp.scalar_type());
-  check_seq(grad_scale, "grad_scale", v.num_seqs, acc);
-  check_seq(advantages, "advantages", v.num_seqs, acc);
+  check_seq(grad_scale, "grad_scale", v.num_seqs, acc, kCpu);
+  check_seq(advantages, "advantages", v.num_seqs, acc, kCpu);
   TORCH_CHECK(grad_loss.numel() == 1, "vcpo: grad_loss must be a scalar");
   const double g = grad_loss.item<double>();  // a CPU tensor: no device sync
   Tensor grad = at::empty_like(logp);
@@ -244,20 +233,12 @@ LogitRows<acc_t> logit_rows(const Tensor& logits, const Tensor& targets, int64_t
   return LogitRows<acc_t>{logits.data_ptr<acc_t>(), n, vocab, y, ignore_index};
 }
 
-void check_logits(const Tensor& logits, const Tensor& targets) {
-  check_cpu_contiguous(logits, "logits");
-  TORCH_CHECK(logits.dim() == 2, "vcpo: logits must be [n, V]");
-  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kDouble,
-              "vcpo: logits must be float32 or float64");
-  check_seq(targets, "targets", logits.size(0), at::kLong);
-}
-
 // Rows per task: a row is V elements, so a few rows already amortise a task.
 constexpr int64_t kRowsPerTask = 4;
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> logit_rows_forward_cpu(const Tensor& logits, const Tensor& targets,
                                                                   int64_t ignore_index) {
-  check_logits(logits, targets);
+  check_logits(logits, targets, kCpu);
   const int64_t n = logits.size(0);
   const auto opts = logits.options();
   Tensor lse = at::empty({n}, opts), logp = at::empty({n}, opts), entropy = at::empty({n}, opts),
@@ -274,13 +255,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> logit_rows_forward_cpu(const Tensor& 
 void logit_rows_backward_cpu(const Tensor& logits, const Tensor& lse, const Tensor& targets, int64_t ignore_index,
                              const OptTensor& g_logp, const OptTensor& g_entropy, const OptTensor& g_sum_p2,
                              const OptTensor& entropy, const OptTensor& sum_p2, double scale) {
-  check_logits(logits, targets);
+  check_logits(logits, targets, kCpu);
   const int64_t n = logits.size(0);
   const auto dtype = logits.scalar_type();
-  check_seq(lse, "lse", n, dtype);
+  check_seq(lse, "lse", n, dtype, kCpu);
   for (const auto& [t, name] : {std::pair{&g_logp, "g_logp"}, {&g_entropy, "g_entropy"}, {&g_sum_p2, "g_sum_p2"},
                                 {&entropy, "entropy"}, {&sum_p2, "sum_p2"}}) {
-    check_seq(*t, name, n, dtype);
+    check_seq(*t, name, n, dtype, kCpu);
   }
   TORCH_CHECK(!g_entropy || entropy, "vcpo: g_entropy needs the forward's entropy");
   TORCH_CHECK(!g_sum_p2 || sum_p2, "vcpo: g_sum_p2 needs the forward's sum_p2");

@@ -12,6 +12,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include "checks.h"
+
 #include <cmath>
 #include <optional>
 
@@ -285,12 +287,23 @@ struct Groups {
   bool length_norm;
   int64_t weight_mode;
   double log_hi;
+  // Group grp's members are order[start[grp]:start[grp + 1]] (from members_by_group; nullptr: one group).
+  const int64_t* order;
+  const int64_t* start;
 };
 
+// Sequences sorted by group, stably (members keep their order), and where each group's run starts: each
+// group's block then reads its own members only, O(B) in all instead of O(groups x B). A device sort and
+// search: no host sync, deterministic. Out-of-range (unvalidated) indices sort outside every run.
+std::pair<Tensor, Tensor> members_by_group(const Tensor& group_index, int64_t num_groups) {
+  const auto [sorted, order] = at::sort(group_index, /*stable=*/true);
+  const Tensor start = at::searchsorted(sorted, at::arange(num_groups + 1, group_index.options()));
+  return {order.contiguous(), start.contiguous()};
+}
+
 template <typename acc_t>
-__device__ __forceinline__ bool member(const Groups& g, int64_t i, int64_t group) {
-  if (g.length && !(static_cast<const acc_t*>(g.length)[i] > 0)) return false;
-  return g.group == nullptr || g.group[i] == group;
+__device__ __forceinline__ bool valid(const Groups& g, int64_t i) {
+  return g.length == nullptr || static_cast<const acc_t*>(g.length)[i] > 0;
 }
 
 template <typename acc_t>
@@ -303,14 +316,17 @@ __device__ __forceinline__ double opob_log_w(const Groups& g, int64_t i) {
   return lw;
 }
 
-// stats[:, g] = (count, mean, population variance, baseline) of group g's valid members: one block per group.
+// stats[:, g] = (count, mean, population variance, baseline) of group g's valid members: one block per group,
+// reading its members only.
 template <typename acc_t>
 __global__ void group_stats_kernel(Groups g, double* stats) {
   const int64_t grp = blockIdx.x;
+  const int64_t begin = g.start ? g.start[grp] : 0, end = g.start ? g.start[grp + 1] : g.num_seqs;
   const acc_t* r = static_cast<const acc_t*>(g.rewards);
   double count = 0, total = 0;
-  for (int64_t i = threadIdx.x; i < g.num_seqs; i += blockDim.x) {
-    if (!member<acc_t>(g, i, grp)) continue;
+  for (int64_t k = begin + threadIdx.x; k < end; k += blockDim.x) {
+    const int64_t i = g.order ? g.order[k] : k;
+    if (!valid<acc_t>(g, i)) continue;
     count += 1;
     total += r[i];
   }
@@ -318,8 +334,9 @@ __global__ void group_stats_kernel(Groups g, double* stats) {
   total = block_reduce(total);
   const double mean = count > 0 ? total / count : 0.0;
   double sq = 0, shift = -kInf;
-  for (int64_t i = threadIdx.x; i < g.num_seqs; i += blockDim.x) {
-    if (!member<acc_t>(g, i, grp)) continue;
+  for (int64_t k = begin + threadIdx.x; k < end; k += blockDim.x) {
+    const int64_t i = g.order ? g.order[k] : k;
+    if (!valid<acc_t>(g, i)) continue;
     const double d = r[i] - mean;
     sq += d * d;
     if (g.log_weight) {
@@ -333,8 +350,9 @@ __global__ void group_stats_kernel(Groups g, double* stats) {
     shift = block_reduce<double, true>(shift);
     const double safe = finite(shift) ? shift : 0.0;  // NaN/+inf propagate
     double sum_w = 0, sum_wd = 0;
-    for (int64_t i = threadIdx.x; i < g.num_seqs; i += blockDim.x) {
-      if (!member<acc_t>(g, i, grp)) continue;
+    for (int64_t k = begin + threadIdx.x; k < end; k += blockDim.x) {
+      const int64_t i = g.order ? g.order[k] : k;
+      if (!valid<acc_t>(g, i)) continue;
       const double w = exp(opob_log_w<acc_t>(g, i) - safe);
       sum_w += w;
       sum_wd += w * (r[i] - mean);
@@ -382,11 +400,17 @@ __global__ void advantages_kernel(Groups g, const double* stats, int64_t kind, b
 
 // (baseline [num_groups], advantages [B]) in acc_t of the given estimator.
 template <typename acc_t>
-std::pair<Tensor, Tensor> advantages(Groups g, int64_t kind, bool norm_by_std, const at::TensorOptions& opts) {
+std::pair<Tensor, Tensor> advantages(Groups g, const OptTensor& group_index, int64_t kind, bool norm_by_std,
+                                     const at::TensorOptions& opts) {
   const int64_t num_groups = g.num_groups;
+  Tensor order, start;
   if (kind == kReinforce) {  // one batch-wide baseline
     g.group = nullptr;
     g.num_groups = 1;
+  } else if (group_index) {
+    std::tie(order, start) = members_by_group(*group_index, num_groups);
+    g.order = order.data_ptr<int64_t>();
+    g.start = start.data_ptr<int64_t>();
   }
   if (kind != kOpob) g.log_weight = nullptr;
   auto stream = at::cuda::getCurrentCUDAStream();
@@ -573,51 +597,89 @@ __global__ void finish_kernel(const acc_t* partials, int64_t num_parts, const do
 
 // ---- logits of linear_logprobs --------------------------------------------------------------------------
 
-// One block per row: lse, logp, entropy and sum p^2 from the max-shifted sums (csrc/cpu/logit_rows.h).
+// Each row of V logits is cut into segments of kRowSegment; one block per (row, segment), so that even the ~100
+// rows of a chunk at V = 152k make thousands of blocks. The forward reduces a segment to (max, sum e, sum e x,
+// sum e^2) with e = exp(z - max), x = z - max (the second read of the segment hits the cache), then one thread
+// per row merges its segments in order: deterministic, and every row read once from memory.
+constexpr int64_t kRowSegment = kThreads * 16;
+
+int64_t row_segments(int64_t vocab) { return std::max<int64_t>((vocab + kRowSegment - 1) / kRowSegment, 1); }
+
 template <typename acc_t>
-__global__ void logit_rows_forward_kernel(const acc_t* z, const int64_t* targets, int64_t vocab, int64_t ignore,
-                                          acc_t* lse_out, acc_t* logp, acc_t* entropy, acc_t* sum_p2) {
-  const int64_t row = blockIdx.x;
+struct SegmentSums {
+  acc_t max, s, sx, s2;
+};
+
+template <typename acc_t>
+__global__ void logit_segments_kernel(const acc_t* z, int64_t vocab, int64_t segments, SegmentSums<acc_t>* out) {
+  const int64_t row = blockIdx.x / segments, seg = blockIdx.x % segments;
   const acc_t* zr = z + row * vocab;
+  const int64_t first = seg * kRowSegment, last = min(first + kRowSegment, vocab);
   acc_t m = -INFINITY;
-  for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) m = (zr[v] > m || zr[v] != zr[v]) ? zr[v] : m;
+  for (int64_t v = first + threadIdx.x; v < last; v += blockDim.x) m = (zr[v] > m || zr[v] != zr[v]) ? zr[v] : m;
   m = block_reduce<acc_t, true>(m);
   acc_t s = 0, sx = 0, s2 = 0;
-  for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) {
-    const acc_t x = zr[v] - m, e = exp(x);
-    s += e;
-    sx += e * x;
-    s2 += e * e;
+  if (m != -INFINITY) {  // an all -inf segment keeps zeros here; the merge then treats it as the row pass would
+    for (int64_t v = first + threadIdx.x; v < last; v += blockDim.x) {
+      const acc_t x = zr[v] - m, e = exp(x);
+      s += e;
+      sx += e * x;
+      s2 += e * e;
+    }
   }
   s = block_reduce(s);
   sx = block_reduce(sx);
   s2 = block_reduce(s2);
-  if (threadIdx.x != 0) return;
+  if (threadIdx.x == 0) out[blockIdx.x] = {m, s, sx, s2};
+}
+
+// lse, logp, entropy and sum p^2 of each row from its segments (csrc/cpu/logit_rows.h has the same formulas):
+// rescaled to the row's max M, a segment with max m contributes f = exp(m - M) times its s and s2 (f^2),
+// and f (sx + (m - M) s) to sum e x. As in one pass over the row, a -inf logit makes sum e x NaN (0 * -inf),
+// and NaN or +inf logits make every output NaN.
+template <typename acc_t>
+__global__ void logit_rows_merge_kernel(const acc_t* z, const SegmentSums<acc_t>* parts, const int64_t* targets,
+                                        int64_t n, int64_t vocab, int64_t segments, int64_t ignore, acc_t* lse_out,
+                                        acc_t* logp, acc_t* entropy, acc_t* sum_p2) {
+  const int64_t row = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (row >= n) return;
+  const SegmentSums<acc_t>* p = parts + row * segments;
+  acc_t m = -INFINITY;
+  for (int64_t j = 0; j < segments; ++j) m = (p[j].max > m || p[j].max != p[j].max) ? p[j].max : m;
+  acc_t s = 0, sx = 0, s2 = 0;
+  for (int64_t j = 0; j < segments; ++j) {
+    const acc_t d = p[j].max - m, f = exp(d);
+    s += f * p[j].s;
+    sx += f * (p[j].sx + d * p[j].s);
+    s2 += f * f * p[j].s2;
+  }
   const int64_t y = targets[row];
   const bool counts = y != ignore && y >= 0 && y < vocab;
   const acc_t log_s = log(s), lse = m + log_s;
   lse_out[row] = lse;
-  logp[row] = counts ? zr[y] - lse : acc_t(0);
+  logp[row] = counts ? z[row * vocab + y] - lse : acc_t(0);
   entropy[row] = counts ? log_s - sx / s : acc_t(0);
   sum_p2[row] = counts ? s2 / (s * s) : acc_t(0);
 }
 
+// d z of every (row, segment) block, in place: p (c0 - e x + 2 q p) + a [v == y], times scale.
 template <typename acc_t>
 __global__ void logit_rows_backward_kernel(acc_t* z, const acc_t* lse, const int64_t* targets, int64_t vocab,
-                                           int64_t ignore, const acc_t* g_logp, const acc_t* g_ent, const acc_t* g_p2,
-                                           const acc_t* entropy, const acc_t* sum_p2, acc_t scale) {
-  const int64_t row = blockIdx.x;
+                                           int64_t segments, int64_t ignore, const acc_t* g_logp, const acc_t* g_ent,
+                                           const acc_t* g_p2, const acc_t* entropy, const acc_t* sum_p2, acc_t scale) {
+  const int64_t row = blockIdx.x / segments, seg = blockIdx.x % segments;
   acc_t* zr = z + row * vocab;
+  const int64_t first = seg * kRowSegment, last = min(first + kRowSegment, vocab);
   const int64_t y = targets[row];
   if (y == ignore || y < 0 || y >= vocab) {
-    for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) zr[v] = 0;
+    for (int64_t v = first + threadIdx.x; v < last; v += blockDim.x) zr[v] = 0;
     return;
   }
   const acc_t a = g_logp ? g_logp[row] : acc_t(0), e = g_ent ? g_ent[row] : acc_t(0);
   const acc_t q = g_p2 ? g_p2[row] : acc_t(0);
   const acc_t c0 = -a - (g_ent ? e * entropy[row] : acc_t(0)) - (g_p2 ? 2 * q * sum_p2[row] : acc_t(0));
   const acc_t l = lse[row];
-  for (int64_t v = threadIdx.x; v < vocab; v += blockDim.x) {
+  for (int64_t v = first + threadIdx.x; v < last; v += blockDim.x) {
     const acc_t x = zr[v] - l, pv = exp(x);
     zr[v] = (pv * (c0 - e * x + 2 * q * pv) + (v == y ? a : acc_t(0))) * scale;
   }
@@ -625,35 +687,29 @@ __global__ void logit_rows_backward_kernel(acc_t* z, const acc_t* lse, const int
 
 // ---- host side ------------------------------------------------------------------------------------------
 
-void check_cuda(const Tensor& t, const char* name) {
-  TORCH_CHECK(t.is_cuda(), "vcpo: ", name, " must be a CUDA tensor");
-  TORCH_CHECK(t.is_contiguous(), "vcpo: ", name, " must be contiguous");
+// The device every tensor of the call must share: that of the op's first tensor, which must be a CUDA tensor.
+at::Device cuda_device_of(const Tensor& anchor, const char* name) {
+  TORCH_CHECK(anchor.is_cuda(), "vcpo: ", name, " is on ", anchor.device(),
+              " but the op runs on CUDA: every input must be on one CUDA device");
+  return anchor.device();
 }
-
-void check_seq(const OptTensor& t, const char* name, int64_t n, at::ScalarType dtype) {
-  if (!t) return;
-  check_cuda(*t, name);
-  TORCH_CHECK(t->dim() == 1 && t->size(0) == n, "vcpo: ", name, " must have shape [", n, "]");
-  TORCH_CHECK(t->scalar_type() == dtype, "vcpo: ", name, " must have dtype ", dtype);
-}
-
-at::ScalarType acc_dtype(at::ScalarType logp) { return logp == at::kDouble ? at::kDouble : at::kFloat; }
 
 Tokens token_view(const Tensor& logp, const Tensor& behavior, const OptTensor& old, const OptTensor& mask,
                   const Tensor& cu, const Tensor& chunk_end) {
-  check_cuda(logp, "logp");
-  check_cuda(behavior, "behavior_logp");
-  check_cuda(cu, "cu_seqlens");
+  const at::Device device = cuda_device_of(logp, "logp");
+  check_tensor(logp, "logp", device);
+  check_tensor(behavior, "behavior_logp", device);
+  check_tensor(cu, "cu_seqlens", device);
   TORCH_CHECK(logp.dim() == 1, "vcpo: logp must be 1-D (packed)");
   TORCH_CHECK(behavior.sizes() == logp.sizes(), "vcpo: behavior_logp must match logp");
   TORCH_CHECK(behavior.scalar_type() == logp.scalar_type() || behavior.scalar_type() == at::kFloat,
               "vcpo: behavior_logp must have logp's dtype or float32");
   if (old) {
-    check_cuda(*old, "old_logp");
+    check_tensor(*old, "old_logp", device);
     TORCH_CHECK(old->sizes() == logp.sizes() && old->scalar_type() == behavior.scalar_type(),
                 "vcpo: old_logp must match behavior_logp's shape and dtype");
   }
-  check_seq(mask, "mask", logp.numel(), at::kBool);
+  check_seq(mask, "mask", logp.numel(), at::kBool, device);
   TORCH_CHECK(cu.dim() == 1 && cu.numel() >= 1 && cu.scalar_type() == at::kLong,
               "vcpo: cu_seqlens must be a 1-D int64 tensor");
   // Vector loads need each array to start on a multiple of its pack: 16 bytes of logp, as many tokens of the others.
@@ -698,7 +754,8 @@ Tensor sequence_sums(const Tokens& t, int64_t grid, const at::TensorOptions& opt
 std::tuple<Tensor, Tensor, Tensor> sequence_stats_cuda(const Tensor& logp, const Tensor& behavior_logp,
                                                        const OptTensor& old_logp, const OptTensor& mask,
                                                        const Tensor& cu_seqlens) {
-  const c10::cuda::CUDAGuard guard(logp.device());
+  const at::Device device = cuda_device_of(logp, "logp");
+  const c10::cuda::CUDAGuard guard(device);
   const auto [chunk_end, grid_size] = chunk_plan(cu_seqlens, logp.numel());
   const int64_t grid = grid_size;  // a plain variable: lambdas capture it (C++17)
   const Tokens t = token_view(logp, behavior_logp, old_logp, mask, cu_seqlens, chunk_end);
@@ -711,12 +768,13 @@ std::tuple<Tensor, Tensor, Tensor> sequence_stats_cuda(const Tensor& logp, const
 
 std::tuple<Tensor, Tensor, Tensor> effective_sample_size_cuda(const Tensor& log_weight, const OptTensor& seq_length,
                                                               double ess_base_ratio, int64_t lr_rule) {
-  const c10::cuda::CUDAGuard guard(log_weight.device());
-  check_cuda(log_weight, "log_weight");
+  const at::Device device = cuda_device_of(log_weight, "log_weight");
+  const c10::cuda::CUDAGuard guard(device);
+  check_tensor(log_weight, "log_weight", device);
   TORCH_CHECK(log_weight.dim() == 1, "vcpo: log_weight must be 1-D");
   const auto dtype = log_weight.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble, "vcpo: log_weight must be float32 or float64");
-  check_seq(seq_length, "seq_length", log_weight.numel(), dtype);
+  check_seq(seq_length, "seq_length", log_weight.numel(), dtype, device);
   Tensor out = at::empty({3}, log_weight.options());
   AT_DISPATCH_FLOATING_TYPES(dtype, "vcpo_ess_cuda", [&] {
     ess_kernel<scalar_t><<<1, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
@@ -731,23 +789,24 @@ std::tuple<Tensor, Tensor> opob_baseline_cuda(const Tensor& rewards, const Tenso
                                               const OptTensor& grad_sq_norm, const OptTensor& group_index,
                                               const OptTensor& seq_length, int64_t num_groups, bool length_norm,
                                               bool norm_by_std) {
-  const c10::cuda::CUDAGuard guard(log_weight.device());
-  check_cuda(log_weight, "log_weight");
+  const at::Device device = cuda_device_of(log_weight, "log_weight");
+  const c10::cuda::CUDAGuard guard(device);
+  check_tensor(log_weight, "log_weight", device);
   const int64_t b = log_weight.numel();
   const auto dtype = log_weight.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble, "vcpo: log_weight must be float32 or float64");
   TORCH_CHECK(num_groups >= 1, "vcpo: num_groups must be >= 1");
-  check_seq(rewards, "rewards", b, dtype);
-  check_seq(grad_sq_norm, "grad_sq_norm", b, dtype);
-  check_seq(group_index, "group_index", b, at::kLong);
-  check_seq(seq_length, "seq_length", b, dtype);
+  check_seq(rewards, "rewards", b, dtype, device);
+  check_seq(grad_sq_norm, "grad_sq_norm", b, dtype, device);
+  check_seq(group_index, "group_index", b, at::kLong, device);
+  check_seq(seq_length, "seq_length", b, dtype, device);
   TORCH_CHECK(!length_norm || seq_length, "vcpo: length_norm needs seq_length");
   std::pair<Tensor, Tensor> out;
   AT_DISPATCH_FLOATING_TYPES(dtype, "vcpo_opob_cuda", [&] {
     const Groups g{rewards.data_ptr(), seq_length ? seq_length->data_ptr() : nullptr,
                    group_index ? group_index->data_ptr<int64_t>() : nullptr, b, num_groups, log_weight.data_ptr(),
-                   grad_sq_norm ? grad_sq_norm->data_ptr() : nullptr, length_norm, 0, 0.0};
-    out = advantages<scalar_t>(g, kOpob, norm_by_std, log_weight.options());
+                   grad_sq_norm ? grad_sq_norm->data_ptr() : nullptr, length_norm, 0, 0.0, nullptr, nullptr};
+    out = advantages<scalar_t>(g, group_index, kOpob, norm_by_std, log_weight.options());
   });
   return {out.first, out.second};
 }
@@ -774,7 +833,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> policy_loss_cuda(
     double log_threshold_low, bool ess_on_corrected, double ess_base_ratio, int64_t lr_rule, int64_t advantage,
     bool norm_by_std, bool opob_length_norm, int64_t opob_weight, std::optional<double> clip_low,
     std::optional<double> clip_high, std::optional<double> clip_c, int64_t loss_agg, double norm_length) {
-  const c10::cuda::CUDAGuard guard(logp.device());
+  const at::Device device = cuda_device_of(logp, "logp");
+  const c10::cuda::CUDAGuard guard(device);
   const auto [chunk_end, grid_size] = chunk_plan(cu_seqlens, logp.numel());
   const int64_t grid = grid_size;  // a plain variable: lambdas capture it (C++17)
   const Tokens t = token_view(logp, behavior_logp, old_logp, mask, cu_seqlens, chunk_end);
@@ -782,10 +842,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> policy_loss_cuda(
   const auto acc = acc_dtype(logp.scalar_type());
   TORCH_CHECK(rewards.has_value() != advantages_in.has_value(), "vcpo: pass exactly one of rewards, advantages");
   TORCH_CHECK(num_groups >= 1, "vcpo: num_groups must be >= 1");
-  check_seq(rewards, "rewards", b, acc);
-  check_seq(advantages_in, "advantages", b, acc);
-  check_seq(grad_sq_norm, "grad_sq_norm", b, acc);
-  check_seq(group_index, "group_index", b, at::kLong);
+  check_seq(rewards, "rewards", b, acc, device);
+  check_seq(advantages_in, "advantages", b, acc, device);
+  check_seq(grad_sq_norm, "grad_sq_norm", b, acc, device);
+  check_seq(group_index, "group_index", b, at::kLong, device);
   const auto opts = logp.options().dtype(acc);
   const LossParams p = loss_params(is_level, is_correction, log_threshold, log_threshold_low, clip_low, clip_high,
                                    clip_c);
@@ -809,8 +869,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> policy_loss_cuda(
     } else {
       const Groups g{rewards->data_ptr(), length.data_ptr(), group_index ? group_index->data_ptr<int64_t>() : nullptr,
                      b, num_groups, s.data_ptr(), grad_sq_norm ? grad_sq_norm->data_ptr() : nullptr,
-                     opob_length_norm, opob_weight, log_threshold};
-      std::tie(baseline, adv) = advantages<acc_t>(g, advantage, norm_by_std, opts);
+                     opob_length_norm, opob_weight, log_threshold, nullptr, nullptr};
+      std::tie(baseline, adv) = advantages<acc_t>(g, group_index, advantage, norm_by_std, opts);
     }
     const bool token_pass = old_logp.has_value() || is_level == kToken;
     Tensor partials = at::zeros({std::max<int64_t>(grid, 1), 4}, opts);
@@ -833,13 +893,14 @@ Tensor policy_loss_backward_cuda(const Tensor& grad_loss, const Tensor& logp, co
                                  int64_t is_correction, double log_threshold, double log_threshold_low,
                                  std::optional<double> clip_low, std::optional<double> clip_high,
                                  std::optional<double> clip_c) {
-  const c10::cuda::CUDAGuard guard(logp.device());
+  const at::Device device = cuda_device_of(logp, "logp");
+  const c10::cuda::CUDAGuard guard(device);
   const auto [chunk_end, grid_size] = chunk_plan(cu_seqlens, logp.numel());
   const int64_t grid = grid_size;  // a plain variable: lambdas capture it (C++17)
   const Tokens t = token_view(logp, behavior_logp, old_logp, mask, cu_seqlens, chunk_end);
   const auto acc = acc_dtype(logp.scalar_type());
-  check_seq(grad_scale, "grad_scale", t.num_seqs, acc);
-  check_seq(advantages_in, "advantages", t.num_seqs, acc);
+  check_seq(grad_scale, "grad_scale", t.num_seqs, acc, device);
+  check_seq(advantages_in, "advantages", t.num_seqs, acc, device);
   TORCH_CHECK(grad_loss.numel() == 1, "vcpo: grad_loss must be a scalar");
   const Tensor g = grad_loss.to(logp.device(), acc).reshape({1}).contiguous();  // read on the device: no sync
   const LossParams p = loss_params(is_level, is_correction, log_threshold, log_threshold_low, clip_low, clip_high,
@@ -860,25 +921,25 @@ Tensor policy_loss_backward_cuda(const Tensor& grad_loss, const Tensor& logp, co
   return grad;
 }
 
-void check_logits(const Tensor& logits, const Tensor& targets) {
-  check_cuda(logits, "logits");
-  TORCH_CHECK(logits.dim() == 2, "vcpo: logits must be [n, V]");
-  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kDouble,
-              "vcpo: logits must be float32 or float64");
-  check_seq(targets, "targets", logits.size(0), at::kLong);
-}
-
 std::tuple<Tensor, Tensor, Tensor, Tensor> logit_rows_forward_cuda(const Tensor& logits, const Tensor& targets,
                                                                    int64_t ignore_index) {
-  const c10::cuda::CUDAGuard guard(logits.device());
-  check_logits(logits, targets);
+  const at::Device device = cuda_device_of(logits, "logits");
+  const c10::cuda::CUDAGuard guard(device);
+  check_logits(logits, targets, device);
   const int64_t n = logits.size(0);
   Tensor lse = at::empty({n}, logits.options()), logp = at::empty({n}, logits.options()),
          entropy = at::empty({n}, logits.options()), sum_p2 = at::empty({n}, logits.options());
   if (n == 0) return {lse, logp, entropy, sum_p2};
+  const int64_t vocab = logits.size(1), segments = row_segments(vocab);
+  auto stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "vcpo_logit_rows_forward_cuda", [&] {
-    logit_rows_forward_kernel<scalar_t><<<n, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-        logits.data_ptr<scalar_t>(), targets.data_ptr<int64_t>(), logits.size(1), ignore_index,
+    const int64_t bytes = n * segments * int64_t(sizeof(SegmentSums<scalar_t>));
+    Tensor parts = at::empty({bytes}, logits.options().dtype(at::kByte));
+    auto* p = reinterpret_cast<SegmentSums<scalar_t>*>(parts.data_ptr());
+    logit_segments_kernel<scalar_t><<<n * segments, kThreads, 0, stream>>>(logits.data_ptr<scalar_t>(), vocab,
+                                                                          segments, p);
+    logit_rows_merge_kernel<scalar_t><<<blocks_for(n), kThreads, 0, stream>>>(
+        logits.data_ptr<scalar_t>(), p, targets.data_ptr<int64_t>(), n, vocab, segments, ignore_index,
         lse.data_ptr<scalar_t>(), logp.data_ptr<scalar_t>(), entropy.data_ptr<scalar_t>(), sum_p2.data_ptr<scalar_t>());
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -888,23 +949,25 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> logit_rows_forward_cuda(const Tensor&
 void logit_rows_backward_cuda(const Tensor& logits, const Tensor& lse, const Tensor& targets, int64_t ignore_index,
                               const OptTensor& g_logp, const OptTensor& g_entropy, const OptTensor& g_sum_p2,
                               const OptTensor& entropy, const OptTensor& sum_p2, double scale) {
-  const c10::cuda::CUDAGuard guard(logits.device());
-  check_logits(logits, targets);
+  const at::Device device = cuda_device_of(logits, "logits");
+  const c10::cuda::CUDAGuard guard(device);
+  check_logits(logits, targets, device);
   const int64_t n = logits.size(0);
   const auto dtype = logits.scalar_type();
-  check_seq(lse, "lse", n, dtype);
-  check_seq(g_logp, "g_logp", n, dtype);
-  check_seq(g_entropy, "g_entropy", n, dtype);
-  check_seq(g_sum_p2, "g_sum_p2", n, dtype);
-  check_seq(entropy, "entropy", n, dtype);
-  check_seq(sum_p2, "sum_p2", n, dtype);
+  check_seq(lse, "lse", n, dtype, device);
+  check_seq(g_logp, "g_logp", n, dtype, device);
+  check_seq(g_entropy, "g_entropy", n, dtype, device);
+  check_seq(g_sum_p2, "g_sum_p2", n, dtype, device);
+  check_seq(entropy, "entropy", n, dtype, device);
+  check_seq(sum_p2, "sum_p2", n, dtype, device);
   TORCH_CHECK(!g_entropy || entropy, "vcpo: g_entropy needs the forward's entropy");
   TORCH_CHECK(!g_sum_p2 || sum_p2, "vcpo: g_sum_p2 needs the forward's sum_p2");
   if (n == 0) return;
   AT_DISPATCH_FLOATING_TYPES(dtype, "vcpo_logit_rows_backward_cuda", [&] {
     auto ptr = [](const OptTensor& t) { return t ? t->data_ptr<scalar_t>() : nullptr; };
-    logit_rows_backward_kernel<scalar_t><<<n, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-        logits.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(), targets.data_ptr<int64_t>(), logits.size(1),
+    const int64_t vocab = logits.size(1), segments = row_segments(vocab);
+    logit_rows_backward_kernel<scalar_t><<<n * segments, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+        logits.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(), targets.data_ptr<int64_t>(), vocab, segments,
         ignore_index, ptr(g_logp), ptr(g_entropy), ptr(g_sum_p2), ptr(entropy), ptr(sum_p2),
         static_cast<scalar_t>(scale));
   });

@@ -1,6 +1,6 @@
 """Group baselines and advantages of every estimator (docs/contract.md, "Advantages") in Triton, fp64:
-one program per group scans the B sequences for its members (no float atomics: deterministic), then one
-program per block of sequences writes the advantages."""
+one program per group reads its members from the sequences sorted by group (no float atomics: deterministic),
+then one program per block of sequences writes the advantages."""
 
 import torch
 import triton
@@ -22,14 +22,16 @@ def opob_log_weight(s, log_hi, WEIGHT: tl.constexpr):
 
 
 @triton.jit
-def group_members(i, n, g, g_ptr, len_ptr, HAS_GROUP: tl.constexpr, HAS_LEN: tl.constexpr):
-    """Which of the sequences i are valid members of group g."""
-    member = i < n
+def group_members(k, end, order_ptr, len_ptr, HAS_GROUP: tl.constexpr, HAS_LEN: tl.constexpr):
+    """(sequence index, whether it is a valid member) of positions k < end of a group's run in the sorted order."""
+    inside = k < end
+    i = k
     if HAS_GROUP:
-        member = member & (tl.load(g_ptr + i, mask=i < n, other=-1) == g)
+        i = tl.load(order_ptr + k, mask=inside, other=0)
+    member = inside
     if HAS_LEN:
-        member = member & (tl.load(len_ptr + i, mask=i < n, other=0.0) > 0)
-    return member
+        member = member & (tl.load(len_ptr + i, mask=inside, other=0.0) > 0)
+    return i, member
 
 
 @triton.jit
@@ -45,24 +47,28 @@ def opob_log_w(i, member, lw_ptr, gsq_ptr, len_ptr, log_hi, HAS_GSQ: tl.constexp
 
 
 @triton.jit
-def _group_stats(r_ptr, len_ptr, g_ptr, lw_ptr, gsq_ptr, stats_ptr, n, num_groups, log_hi,
+def _group_stats(r_ptr, len_ptr, order_ptr, start_ptr, lw_ptr, gsq_ptr, stats_ptr, n, num_groups, log_hi,
                  HAS_GROUP: tl.constexpr, HAS_LEN: tl.constexpr, IS_OPOB: tl.constexpr, HAS_GSQ: tl.constexpr,
                  LENGTH_NORM: tl.constexpr, WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
-    # stats[:, g] = (count, mean, population variance, baseline) of group g's valid members
+    # stats[:, g] = (count, mean, population variance, baseline) of group g's valid members, read from its run
+    # order[start[g]:start[g + 1]] of the sorted order (the whole batch without groups)
     g = tl.program_id(0)
+    begin = tl.zeros((), tl.int64)
+    end = tl.zeros((), tl.int64) + n
+    if HAS_GROUP:
+        begin = tl.load(start_ptr + g)
+        end = tl.load(start_ptr + g + 1)
     count = tl.zeros((), tl.float64)
     total = tl.zeros((), tl.float64)
-    for start in range(0, n, BLOCK):
-        i = start + tl.arange(0, BLOCK)
-        member = group_members(i, n, g, g_ptr, len_ptr, HAS_GROUP, HAS_LEN)
+    for first in range(begin, end, BLOCK):
+        i, member = group_members(first + tl.arange(0, BLOCK), end, order_ptr, len_ptr, HAS_GROUP, HAS_LEN)
         count += tl.sum(member.to(tl.float64), 0)
         total += tl.sum(tl.where(member, tl.load(r_ptr + i, mask=member, other=0.0).to(tl.float64), 0.0), 0)
     mean = tl.where(count > 0, total / tl.maximum(count, 1.0), 0.0)
     sq = tl.zeros((), tl.float64)
     shift = tl.full((), float("-inf"), tl.float64)
-    for start in range(0, n, BLOCK):
-        i = start + tl.arange(0, BLOCK)
-        member = group_members(i, n, g, g_ptr, len_ptr, HAS_GROUP, HAS_LEN)
+    for first in range(begin, end, BLOCK):
+        i, member = group_members(first + tl.arange(0, BLOCK), end, order_ptr, len_ptr, HAS_GROUP, HAS_LEN)
         d = tl.where(member, tl.load(r_ptr + i, mask=member, other=0.0).to(tl.float64) - mean, 0.0)
         sq += tl.sum(d * d, 0)
         if IS_OPOB:
@@ -75,9 +81,8 @@ def _group_stats(r_ptr, len_ptr, g_ptr, lw_ptr, gsq_ptr, stats_ptr, n, num_group
         safe = tl.where((shift == shift) & (tl.abs(shift) < float("inf")), shift, 0.0)  # NaN/+inf propagate
         sum_w = tl.zeros((), tl.float64)
         sum_wd = tl.zeros((), tl.float64)
-        for start in range(0, n, BLOCK):
-            i = start + tl.arange(0, BLOCK)
-            member = group_members(i, n, g, g_ptr, len_ptr, HAS_GROUP, HAS_LEN)
+        for first in range(begin, end, BLOCK):
+            i, member = group_members(first + tl.arange(0, BLOCK), end, order_ptr, len_ptr, HAS_GROUP, HAS_LEN)
             log_w = opob_log_w(i, member, lw_ptr, gsq_ptr, len_ptr, log_hi, HAS_GSQ, LENGTH_NORM, WEIGHT)
             w = tl.where(member, tl.exp(log_w - safe), 0.0)
             r = tl.load(r_ptr + i, mask=member, other=0.0).to(tl.float64)
@@ -126,6 +131,15 @@ def _advantages(r_ptr, len_ptr, g_ptr, stats_ptr, adv_ptr, n, num_groups, KIND: 
     tl.store(adv_ptr + i, tl.where(valid, a, 0.0).to(adv_ptr.dtype.element_ty), mask=inside)
 
 
+def members_by_group(group_index, num_groups: int):
+    """(order, start): the sequences sorted by group, stably, and where each group's run starts, so that each
+    group's program reads its own members only (O(B) in all, not O(groups x B)); no host sync, deterministic.
+    Out-of-range (unvalidated) indices sort outside every run."""
+    sorted_groups, order = torch.sort(group_index, stable=True)
+    start = torch.searchsorted(sorted_groups, torch.arange(num_groups + 1, device=group_index.device))
+    return order, start
+
+
 def advantages(kind: int, rewards, seq_length, group_index, num_groups: int, norm_by_std: bool, *,
                log_weight=None, grad_sq_norm=None, length_norm=False, weight=0, log_hi=0.0):
     """(b_g [num_groups], A_i [B]) in rewards' dtype; `log_weight` (and the OPOB options) for kind OPOB."""
@@ -135,7 +149,8 @@ def advantages(kind: int, rewards, seq_length, group_index, num_groups: int, nor
     group = None if kind == REINFORCE else group_index
     stats = torch.empty((4, groups), dtype=torch.float64, device=device)
     dummy = rewards
-    _group_stats[(groups,)](rewards, dummy if seq_length is None else seq_length, dummy if group is None else group,
+    order, start = (dummy, dummy) if group is None else members_by_group(group, groups)
+    _group_stats[(groups,)](rewards, dummy if seq_length is None else seq_length, order, start,
                             dummy if log_weight is None else log_weight,
                             dummy if grad_sq_norm is None else grad_sq_norm, stats, n, groups, float(log_hi),
                             HAS_GROUP=group is not None, HAS_LEN=seq_length is not None, IS_OPOB=kind == OPOB,
