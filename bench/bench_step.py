@@ -1,12 +1,14 @@
 """VCPO update step with exact per-sequence gradient norms vs a plain GRPO step vs the brute-force loop of the
 public reference code (one forward and backward per sequence for the norms, then the update).
 
-Model: random-init Llama of about 10M parameters (hidden 256, 6 layers, vocab 10000), fp32; batch 32 sequences
-x 256 tokens (32-token prompts, responses of 64 to 224 tokens, right padding). Each case runs in its own
-process, so its peak resident memory is its own.
+Models (random init, fp32): `llama`, about 10M parameters (hidden 256, 6 layers, vocab 10000); `qwen3_moe`, a
+mixture of experts of about 17M parameters (hidden 256, 4 layers, 16 experts of intermediate size 256, top 4,
+vocab 10000, transformers' default grouped_mm experts). Batch 32 sequences x 256 tokens (32-token prompts,
+responses of 64 to 224 tokens, right padding). Each case runs in its own process, so its peak resident memory is
+its own.
 
     python bench/bench_step.py            # all cases, prints one table
-    python bench/bench_step.py --rounds 5
+    python bench/bench_step.py --rounds 5 --model qwen3_moe
 """
 
 from __future__ import annotations
@@ -28,17 +30,28 @@ CASES = {
 B, T, PROMPT = 32, 256, 32
 
 
-def build():
+def build(name: str = "llama"):
     import torch
     import transformers
 
     import vcpo
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=10000, hidden_size=256, intermediate_size=688, num_hidden_layers=6,
-                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=T)
+    if name == "llama":
+        config = transformers.LlamaConfig(vocab_size=10000, hidden_size=256, intermediate_size=688,
+                                          num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=4,
+                                          max_position_embeddings=T)
+    else:
+        config = transformers.Qwen3MoeConfig(vocab_size=10000, hidden_size=256, intermediate_size=688,
+                                             moe_intermediate_size=256, num_experts=16, num_experts_per_tok=4,
+                                             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                                             head_dim=64, max_position_embeddings=T)
     config._attn_implementation = "sdpa"
-    model = transformers.LlamaForCausalLM(config).eval()  # eval: no dropout (Llama has none anyway)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()  # eval: no dropout
+    with torch.no_grad():  # routers start at zero: random routing instead of ties
+        for p in model.parameters():
+            if p.abs().max() == 0:
+                p.normal_(0, 0.02)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 10000, (B, T), generator=g)
     lengths = PROMPT + torch.randint(64, T - PROMPT + 1, (B,), generator=g)
@@ -79,12 +92,12 @@ def brute_force_step(model, optimizer, batch, config):
         optimizer.step()
 
 
-def run_case(case: str, rounds: int) -> dict:
+def run_case(case: str, rounds: int, name: str) -> dict:
     import torch
 
     import vcpo
 
-    model, batch = build()
+    model, batch = build(name)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.1)
     if case == "grpo":
         config = vcpo.VCPOConfig(advantage="grpo", grad_norms="uniform", lr_rule=None, is_correction="none")
@@ -108,10 +121,11 @@ def run_case(case: str, rounds: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--model", choices=["llama", "qwen3_moe"], default="llama")
     parser.add_argument("--case", choices=list(CASES), help=argparse.SUPPRESS)  # one case, in a child process
     args = parser.parse_args()
     if args.case:
-        print(json.dumps(run_case(args.case, args.rounds)))
+        print(json.dumps(run_case(args.case, args.rounds, args.model)))
         return
     # Rounds are interleaved across cases (one process per case and round: a warm-up step, then one timed
     # step), so a slow spell of the machine hits every case alike.
@@ -119,7 +133,7 @@ def main() -> None:
     for r in range(args.rounds):
         for case in CASES:
             print(f"round {r + 1}/{args.rounds}: {case} ({CASES[case]}) ...", file=sys.stderr, flush=True)
-            out = subprocess.run([sys.executable, __file__, "--case", case, "--rounds", "1"],
+            out = subprocess.run([sys.executable, __file__, "--case", case, "--rounds", "1", "--model", args.model],
                                  capture_output=True, text=True)
             if out.returncode != 0:
                 sys.exit(f"case {case} failed:\n{out.stderr[-3000:]}")
@@ -129,7 +143,7 @@ def main() -> None:
                           peak_rss_mib=max(x["peak_rss_mib"] for x in runs))
                for case, runs in samples.items()}
     base = results["grpo"]["median_s"]
-    print(f"\nVCPO step, Llama {results['grpo']['params'] / 1e6:.1f}M params, B={B} x T={T}, fp32, "
+    print(f"\nVCPO step, {args.model} {results['grpo']['params'] / 1e6:.1f}M params, B={B} x T={T}, fp32, "
           f"{args.rounds} rounds, median")
     print(f"  {'case':<15} {'median s':>9} {'min s':>7} {'x grpo':>7} {'peak RSS MiB':>13}")
     for case, r in results.items():

@@ -15,6 +15,7 @@ import torch
 
 B, T, PROMPT = 3, 7, 2  # B and T coprime: a layout that mixes sequences and tokens cannot pass by chance
 VOCAB = 64
+MAX_PARAMS = 2_000_000
 _SIZES = dict(
     vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
     num_key_value_heads=1, head_dim=8, max_position_embeddings=64, moe_intermediate_size=8, num_experts=4,
@@ -22,7 +23,7 @@ _SIZES = dict(
     n_embd=16, n_layer=2, n_head=2, n_positions=64, d_model=16, n_layers=2, n_heads=2, d_ff=24, ffn_dim=24,
     decoder_layers=2, decoder_attention_heads=2, decoder_ffn_dim=24, num_layers=2, embed_dim=16, kv_lora_rank=8,
     q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, first_k_dense_replace=1, n_group=1,
-    topk_group=1, dense_intermediate_size=24, rotary_dim=4, partial_rotary_factor=0.5,
+    topk_group=1, dense_intermediate_size=24, rotary_dim=4,
 )
 
 
@@ -35,7 +36,11 @@ def tiny_config(model_type: str):
 
     cls = CONFIG_MAPPING[model_type]
     default = cls()
-    config = cls(**{k: v for k, v in _SIZES.items() if hasattr(default, k)})
+    sizes = {k: v for k, v in _SIZES.items() if hasattr(default, k)}
+    if hasattr(default, "qk_rope_head_dim"):  # multi-head latent attention: head_dim is the rotary part
+        sizes.pop("head_dim", None)
+        sizes["num_key_value_heads"] = sizes["num_attention_heads"]
+    config = cls(**sizes)
     for name in ("text_config", "decoder"):  # composite configs: shrink the language model too
         sub = getattr(config, name, None)
         if sub is not None and hasattr(sub, "to_dict"):
@@ -56,9 +61,14 @@ def build(model_type: str):
 
     del MODEL_FOR_CAUSAL_LM_MAPPING
     torch.manual_seed(0)
+    config = tiny_config(model_type)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_config(tiny_config(model_type)).eval()
+        with torch.device("meta"):  # sizes the shrunk config leaves large are found without allocating them
+            size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+        if size > MAX_PARAMS:
+            raise ValueError(f"the tiny config still has {size / 1e6:.1f}M parameters (sizes not shrunk)")
+        model = AutoModelForCausalLM.from_config(config).eval()
     for p in model.parameters():  # zero-initialised weights (routers, norms) would hide a wrong rule
         with torch.no_grad():
             p.add_(0.05 * torch.randn_like(p))

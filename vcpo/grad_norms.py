@@ -172,7 +172,7 @@ class _Call:
     kind: str  # "linear" | "conv1d" | "embedding" | "experts" | "generic"
     args: tuple  # detached
     kwargs: dict
-    outputs: list  # the floating-point output tensors, held until their gradient arrives (see backward())
+    outputs: list  # where each floating-point output's gradient arrives (see backward()), until it does
     values: list  # their detached values (replayed modules: the replay is checked against them)
     grads: list  # their gradients, None until (unless) one arrives
 
@@ -330,9 +330,12 @@ class PerSequenceGradients:
         parameters' own gradients are not computed (nor accumulated into .grad, nor seen by DDP's hooks);
         `objective.backward()` records the same, at the cost of the parameter gradients."""
         self._check_complete()
-        outputs = [o for rec in self._records for c in rec.calls for o in c.outputs if o is not None]
-        if outputs:
-            torch.autograd.grad(objective, outputs, retain_graph=retain_graph, allow_unused=True)
+        waiting = [(c, k) for rec in self._records for c in rec.calls for k, o in enumerate(c.outputs) if o is not None]
+        if waiting:
+            grads = torch.autograd.grad(objective, [c.outputs[k] for c, k in waiting], retain_graph=retain_graph,
+                                        allow_unused=True)
+            for (c, k), g in zip(waiting, grads):
+                self._grad_hook(c, k)(g)
 
     def release(self) -> None:
         """Drop the records (layer inputs and output gradients): call once the norms and gradient are formed."""
@@ -358,11 +361,12 @@ class PerSequenceGradients:
             slots = [j for j, t in enumerate(leaves) if isinstance(t, Tensor) and t.is_floating_point()]
             for j in slots:
                 if not leaves[j].requires_grad and self._frozen and leaves[j].grad_fn is None:
-                    leaves[j] = leaves[j].detach().requires_grad_()  # parameters frozen: the graph starts here
-                elif leaves[j].requires_grad and kind in ("experts", "generic"):
-                    # An alias receives only the gradient from outside the module (a router computes its
-                    # scores from the logits it also returns: their own gradient must not count twice).
-                    leaves[j] = leaves[j].view_as(leaves[j])
+                    # parameters frozen: the graph starts here (a copy, which the model may modify in place)
+                    leaves[j] = leaves[j].detach().requires_grad_().clone()
+                elif leaves[j].requires_grad and len(slots) > 1:
+                    # A copy receives only the gradient from outside the module (a router computes its scores
+                    # from the logits it also returns: their own gradient must not count twice).
+                    leaves[j] = leaves[j].clone()
             if not any(leaves[j].requires_grad for j in slots):
                 return
             if (kind in ("embedding", "generic") and self.cu_seqlens is None and self.num_seqs > 1
@@ -376,12 +380,21 @@ class PerSequenceGradients:
                     args = (args[0].expand(self.num_seqs, *args[0].shape[1:]),)
             detach = lambda t: t.detach() if isinstance(t, Tensor) else t  # noqa: E731
             outs = [leaves[j] for j in slots]
-            call = _Call(kind, tree_map(detach, tuple(args)), tree_map(detach, dict(kwargs)), list(outs),
+            call = _Call(kind, tree_map(detach, tuple(args)), tree_map(detach, dict(kwargs)), [None] * len(outs),
                          [o.detach() for o in outs] if kind in ("experts", "generic") else [], [None] * len(outs))
             record.calls.append(call)
             for k, o in enumerate(outs):
-                if o.requires_grad:
+                if not o.requires_grad:
+                    continue
+                # The gradient of the value the module returned, even if the model then modifies it in place
+                # (CTRL scales its embeddings with *=): taken where the node that made it receives it.
+                if o.grad_fn is None:
                     o.register_hook(self._grad_hook(call, k))
+                    call.outputs[k] = o
+                else:
+                    nr = o.output_nr
+                    o.grad_fn.register_prehook(lambda grads, hook=self._grad_hook(call, k), nr=nr: hook(grads[nr]))
+                    call.outputs[k] = torch.autograd.graph.get_gradient_edge(o)
             return tree_unflatten(leaves, spec)
 
         return hook
@@ -391,7 +404,7 @@ class PerSequenceGradients:
         def hook(grad):
             # The first gradient is the recorded one (a second backward through a kept graph must not replace
             # it); the output itself is no longer needed.
-            if call.grads[k] is None:
+            if grad is not None and call.grads[k] is None:
                 call.grads[k] = grad.detach()
                 call.outputs[k] = None
 
