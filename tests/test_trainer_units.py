@@ -235,14 +235,21 @@ def test_producer_bounds_staleness_and_drops_nothing(k, fast):
 
 def test_producer_loads_weights_while_a_batch_is_generated():
     """concurrent_sync (engine: server): weights published during a batch go in at once, from the sync thread;
-    a rollout records its first and last version and the bound holds for the first."""
-    engine = {"version": 0}
+    the admissible batches are generated at the same time; a rollout records its first and last version and the
+    bound holds for the first."""
+    engine = {"version": 0, "in_flight": 0, "most": 0}
     spans = []
+    lock = threading.Lock()
 
     def make_batch(index, admitted):
         first = engine["version"]
         assert first >= admitted
+        with lock:
+            engine["in_flight"] += 1
+            engine["most"] = max(engine["most"], engine["in_flight"])
         time.sleep(0.02)
+        with lock:
+            engine["in_flight"] -= 1
         last = engine["version"]
         spans.append((first, last))
         return GeneratedBatch(index, first, [Rollout(index, index, 0, [1], [2], [0.0], None, 0.0, first,
@@ -262,6 +269,7 @@ def test_producer_loads_weights_while_a_batch_is_generated():
     finally:
         prod.stop()
     assert any(first != last for first, last in spans)  # weights changed while a batch was being generated
+    assert engine["most"] > 1  # several batches were in flight at once
 
 
 def test_producer_resumes_with_pending_batches():

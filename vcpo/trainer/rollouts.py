@@ -11,6 +11,7 @@ then records the first and the last version of its tokens, and the bound applies
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import deque
@@ -72,7 +73,9 @@ class StalenessError(RuntimeError):
 class RolloutProducer:
     """Runs the engine in a background thread: generates batch j once the engine's weights are at least version
     j - k, and appends it to `pending`. The newest published weights are loaded whenever the engine is between
-    batches or, with `concurrent_sync`, at once by a second thread while batches are being generated."""
+    batches. With `concurrent_sync` (an engine that takes weights while it generates), a second thread loads
+    them at once, and every admissible batch is generated at the same time as the others, each in a thread of
+    its own (at most k + 1 batches are ahead of the trainer); batches are appended to `pending` in order."""
 
     def __init__(self, *, make_batch: Callable[[int, int], GeneratedBatch],
                  load_weights: Callable[[dict, int], None], max_staleness: int, version: int, next_batch: int,
@@ -84,8 +87,12 @@ class RolloutProducer:
         self.evaluate, self.eval_every = evaluate, eval_every
         self.version = version  # the trainer's latest published version
         self.engine_version = version  # the engine starts from the trainer's weights
-        self.next_batch, self.end_batch = next_batch, end_batch
+        self.next_batch, self.end_batch = next_batch, end_batch  # next_batch: the next one to start
         self.pending: deque[GeneratedBatch] = deque(pending)
+        self._generated = next_batch  # the batches before it are generated (consumed or pending)
+        self._done: dict[int, GeneratedBatch] = {}  # generated ahead of an earlier batch still in flight
+        self._in_flight, self._busy_since = 0, 0.0
+        self._workers: list[threading.Thread] = []
         self.stats = EngineStats()
         self._weights: Optional[dict] = None
         self._cond = threading.Condition()
@@ -134,13 +141,13 @@ class RolloutProducer:
         """(next batch to generate, generated batches not yet consumed): what a checkpoint must keep. A batch
         being generated now is not in it; it is generated again after a resume."""
         with self._cond:
-            return self.next_batch, list(self.pending)
+            return self._generated, list(self.pending)
 
     def stop(self) -> None:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        for thread in self._threads:
+        for thread in self._threads + self._workers:
             if thread.is_alive():
                 thread.join()
 
@@ -216,15 +223,32 @@ class RolloutProducer:
                     return
                 if (between_batches and self._weights is not None) or not self._admissible():
                     continue  # weights published meanwhile (say, during an evaluation) go in first
-                index = self.next_batch
-            t0 = time.perf_counter()
-            batch = self.make_batch(index, self.engine_version)
-            self.stats.generate_seconds += time.perf_counter() - t0
-            self.stats.generated_tokens += sum(len(r.response_ids) for r in batch.rollouts)
-            with self._cond:
-                self.pending.append(batch)
+                index, version = self.next_batch, self.engine_version
                 self.next_batch = index + 1
-                self._cond.notify_all()
+            if between_batches:
+                self._generate(index, version)
+            else:
+                worker = threading.Thread(target=self._guard, args=(functools.partial(self._generate, index, version),),
+                                          name=f"vcpo-batch-{index}", daemon=True)
+                self._workers = [w for w in self._workers if w.is_alive()] + [worker]
+                worker.start()
+
+    def _generate(self, index: int, version: int) -> None:
+        with self._cond:
+            if self._in_flight == 0:
+                self._busy_since = time.perf_counter()
+            self._in_flight += 1
+        batch = self.make_batch(index, version)
+        with self._cond:
+            self._in_flight -= 1
+            if self._in_flight == 0:  # generate_seconds: wall time with at least one batch in flight
+                self.stats.generate_seconds += time.perf_counter() - self._busy_since
+            self.stats.generated_tokens += sum(len(r.response_ids) for r in batch.rollouts)
+            self._done[index] = batch
+            while self._generated in self._done:
+                self.pending.append(self._done.pop(self._generated))
+                self._generated += 1
+            self._cond.notify_all()
 
 
 def pad_rollouts(rollouts: list[Rollout], pad_id: int):

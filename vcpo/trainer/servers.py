@@ -86,7 +86,8 @@ class LocalServers:
             raise ValueError(f"engine_servers must be an integer >= 1, got {count!r}")
         self.model, self.count, self.log_dir, self.log = model, count, log_dir, log
         self.args = ["--dtype", dtype, "--max-model-len", str(max_model_len), "--enforce-eager",
-                     "--no-enable-prefix-caching", "--max-logprobs", "1", "--seed", str(seed), *POOL_ARGS]
+                     "--no-enable-prefix-caching", "--max-logprobs", "1", "--seed", str(seed),
+                     "--disable-uvicorn-access-log", *POOL_ARGS]
         if gpus is not None:
             self.args += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
         self.kv_cache_gib, self.cores, self.gpus = kv_cache_gib, cores, gpus
