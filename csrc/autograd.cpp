@@ -12,16 +12,15 @@ using at::Tensor;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 using OptTensor = std::optional<Tensor>;
-using OptDouble = std::optional<double>;
+using Codes = c10::ArrayRef<int64_t>;
+using Values = c10::ArrayRef<double>;
 
 using ForwardSig = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>(
     const Tensor&, const Tensor&, const OptTensor&, const OptTensor&, const Tensor&, const OptTensor&,
-    const OptTensor&, const OptTensor&, int64_t, const OptTensor&, int64_t, int64_t, double, double, bool, double,
-    int64_t, int64_t, bool, bool, int64_t, OptDouble, OptDouble, OptDouble, int64_t, double);
+    const OptTensor&, const OptTensor&, int64_t, const OptTensor&, Codes, Values);
 using BackwardSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const OptTensor&, const OptTensor&,
-                           const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t, double, double, OptDouble,
-                           OptDouble, OptDouble);
-constexpr size_t kNumForwardArgs = 26;
+                           const Tensor&, const Tensor&, const Tensor&, Codes, Values);
+constexpr size_t kNumForwardArgs = 12;  // the inputs of ForwardSig: one gradient slot each
 
 Tensor or_undefined(const OptTensor& t) { return t ? *t : Tensor(); }
 OptTensor or_nullopt(const Tensor& t) { return t.defined() ? OptTensor(t) : std::nullopt; }
@@ -31,28 +30,17 @@ class PolicyLoss : public torch::autograd::Function<PolicyLoss> {
   static variable_list forward(AutogradContext* ctx, const Tensor& logp, const Tensor& behavior_logp,
                                const OptTensor& old_logp, const OptTensor& mask, const Tensor& cu_seqlens,
                                const OptTensor& rewards, const OptTensor& advantages, const OptTensor& group_index,
-                               int64_t num_groups, const OptTensor& grad_sq_norm, int64_t is_level,
-                               int64_t is_correction, double log_threshold, double log_threshold_low,
-                               bool ess_on_corrected, double ess_base_ratio, int64_t lr_rule, int64_t advantage,
-                               bool norm_by_std, bool opob_length_norm, int64_t opob_weight, OptDouble clip_low,
-                               OptDouble clip_high, OptDouble clip_c, int64_t loss_agg, double norm_length) {
+                               int64_t num_groups, const OptTensor& grad_sq_norm, Codes codes, Values values) {
     static auto op =
         c10::Dispatcher::singleton().findSchemaOrThrow("vcpo::policy_loss", "").typed<ForwardSig>();
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [loss, scalars, baseline, adv, seq_log_weight, grad_scale] =
-        op.call(logp, behavior_logp, old_logp, mask, cu_seqlens, rewards, advantages, group_index, num_groups,
-                grad_sq_norm, is_level, is_correction, log_threshold, log_threshold_low, ess_on_corrected,
-                ess_base_ratio, lr_rule, advantage, norm_by_std, opob_length_norm, opob_weight, clip_low, clip_high,
-                clip_c, loss_agg, norm_length);
+    auto [loss, scalars, baseline, adv, seq_log_weight, grad_scale] = op.call(
+        logp, behavior_logp, old_logp, mask, cu_seqlens, rewards, advantages, group_index, num_groups, grad_sq_norm,
+        codes, values);
     ctx->save_for_backward(
         {logp, behavior_logp, or_undefined(old_logp), or_undefined(mask), cu_seqlens, grad_scale, adv});
-    ctx->saved_data["is_level"] = is_level;
-    ctx->saved_data["is_correction"] = is_correction;
-    ctx->saved_data["log_threshold"] = log_threshold;
-    ctx->saved_data["log_threshold_low"] = log_threshold_low;
-    ctx->saved_data["clip_low"] = clip_low;
-    ctx->saved_data["clip_high"] = clip_high;
-    ctx->saved_data["clip_c"] = clip_c;
+    ctx->saved_data["codes"] = codes.vec();
+    ctx->saved_data["values"] = values.vec();
     ctx->mark_non_differentiable({scalars, baseline, adv, seq_log_weight, grad_scale});
     return {loss, scalars, baseline, adv, seq_log_weight, grad_scale};
   }
@@ -63,12 +51,10 @@ class PolicyLoss : public torch::autograd::Function<PolicyLoss> {
     static auto op =
         c10::Dispatcher::singleton().findSchemaOrThrow("vcpo::policy_loss_backward", "").typed<BackwardSig>();
     const auto saved = ctx->get_saved_variables();
-    const auto& d = ctx->saved_data;
+    const std::vector<int64_t> codes = ctx->saved_data.at("codes").toIntVector();
+    const std::vector<double> values = ctx->saved_data.at("values").toDoubleVector();
     grads[0] = op.call(grad_outputs[0], saved[0], saved[1], or_nullopt(saved[2]), or_nullopt(saved[3]), saved[4],
-                       saved[5], saved[6], d.at("is_level").toInt(), d.at("is_correction").toInt(),
-                       d.at("log_threshold").toDouble(), d.at("log_threshold_low").toDouble(),
-                       d.at("clip_low").toOptional<double>(), d.at("clip_high").toOptional<double>(),
-                       d.at("clip_c").toOptional<double>());
+                       saved[5], saved[6], codes, values);
     return grads;
   }
 };
@@ -76,14 +62,9 @@ class PolicyLoss : public torch::autograd::Function<PolicyLoss> {
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> policy_loss_autograd(
     const Tensor& logp, const Tensor& behavior_logp, const OptTensor& old_logp, const OptTensor& mask,
     const Tensor& cu_seqlens, const OptTensor& rewards, const OptTensor& advantages, const OptTensor& group_index,
-    int64_t num_groups, const OptTensor& grad_sq_norm, int64_t is_level, int64_t is_correction, double log_threshold,
-    double log_threshold_low, bool ess_on_corrected, double ess_base_ratio, int64_t lr_rule, int64_t advantage,
-    bool norm_by_std, bool opob_length_norm, int64_t opob_weight, OptDouble clip_low, OptDouble clip_high,
-    OptDouble clip_c, int64_t loss_agg, double norm_length) {
+    int64_t num_groups, const OptTensor& grad_sq_norm, Codes codes, Values values) {
   auto out = PolicyLoss::apply(logp, behavior_logp, old_logp, mask, cu_seqlens, rewards, advantages, group_index,
-                               num_groups, grad_sq_norm, is_level, is_correction, log_threshold, log_threshold_low,
-                               ess_on_corrected, ess_base_ratio, lr_rule, advantage, norm_by_std, opob_length_norm,
-                               opob_weight, clip_low, clip_high, clip_c, loss_agg, norm_length);
+                               num_groups, grad_sq_norm, codes, values);
   return {out[0], out[1], out[2], out[3], out[4], out[5]};
 }
 

@@ -19,17 +19,14 @@ TORCH_LIBRARY(vcpo, m) {
   m.def("opob_baseline(Tensor rewards, Tensor log_weight, Tensor? grad_sq_norm, Tensor? group_index,"
         " Tensor? seq_length, int num_groups, bool length_norm, bool norm_by_std)"
         " -> (Tensor baseline, Tensor advantages)");
+  // The loss's scalar options are packed by position (csrc/loss_options.h, vcpo_kernels/options.py).
   m.def("policy_loss(Tensor logp, Tensor behavior_logp, Tensor? old_logp, Tensor? mask, Tensor cu_seqlens,"
         " Tensor? rewards, Tensor? advantages, Tensor? group_index, int num_groups, Tensor? grad_sq_norm,"
-        " int is_level, int is_correction, float log_threshold, float log_threshold_low, bool ess_on_corrected,"
-        " float ess_base_ratio, int lr_rule, int advantage, bool norm_by_std, bool opob_length_norm,"
-        " int opob_weight, float? clip_low, float? clip_high, float? clip_c, int loss_agg, float norm_length)"
-        " -> (Tensor loss, Tensor scalars, Tensor baseline, Tensor advantages, Tensor seq_log_weight,"
-        " Tensor grad_scale)");
+        " int[] codes, float[] values) -> (Tensor loss, Tensor scalars, Tensor baseline, Tensor advantages,"
+        " Tensor seq_log_weight, Tensor grad_scale)");
   m.def("policy_loss_backward(Tensor grad_loss, Tensor logp, Tensor behavior_logp, Tensor? old_logp,"
-        " Tensor? mask, Tensor cu_seqlens, Tensor grad_scale, Tensor advantages, int is_level,"
-        " int is_correction, float log_threshold, float log_threshold_low, float? clip_low,"
-        " float? clip_high, float? clip_c) -> Tensor grad_logp");
+        " Tensor? mask, Tensor cu_seqlens, Tensor grad_scale, Tensor advantages, int[] codes, float[] values)"
+        " -> Tensor grad_logp");
   // The passes over a chunk of logits of linear_logprobs (the GEMMs around them are torch's).
   m.def("logit_rows_forward(Tensor logits, Tensor targets, int ignore_index)"
         " -> (Tensor lse, Tensor logp, Tensor entropy, Tensor sum_p2)");

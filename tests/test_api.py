@@ -102,3 +102,22 @@ def test_readme_example_runs():
     assert blocks, "README has no python example"
     for code in blocks:
         exec(compile(code, str(README), "exec"), {})
+
+
+@pytest.mark.parametrize("options", [dict(), dict(advantage="grpo"), dict(advantage="rloo"),
+                                     dict(opob_scope="batch"), dict(reference_compat=True, is_threshold=1.5),
+                                     dict(opob_length_norm=True, norm_by_std=False)])
+def test_standalone_advantages_and_ess_are_the_losss(options):
+    # vcpo_kernels.advantages and effective_sample_size(is_threshold=) from per-sequence data give what the
+    # fused loss computes from the tokens (the data-parallel path relies on it).
+    batch = random_batch(41, "packed", dtype=torch.float64)
+    opts = vk.PolicyLossOptions(ess_on_corrected=True, **{"is_threshold": 1.1, **options})  # truncation bites
+    out = vk.policy_loss(batch.logp, batch.behavior_logp, options=opts, backend="torch", **batch.kwargs())
+    stats = vk.sequence_stats(batch.logp, batch.behavior_logp, cu_seqlens=batch.cu_seqlens, mask=batch.mask)
+    got = vk.advantages(batch.rewards, stats.seq_log_weight, seq_length=stats.seq_length,
+                        grad_sq_norm=batch.grad_sq_norm, group_index=batch.group_index, num_groups=batch.num_groups,
+                        options=opts)
+    torch.testing.assert_close(got.advantages, out.advantages, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got.baseline, out.baseline, rtol=1e-12, atol=1e-12)
+    ess = vk.effective_sample_size(stats.seq_log_weight, seq_length=stats.seq_length, is_threshold=opts.is_threshold)
+    torch.testing.assert_close(ess.ess_ratio, out.ess_ratio, rtol=1e-12, atol=1e-12)

@@ -1,7 +1,5 @@
 """The compiled ops under torch.library.opcheck, torch.compile(fullgraph=True) and float64 gradcheck."""
 
-import math
-
 import pytest
 import torch
 
@@ -16,12 +14,12 @@ pytestmark = pytest.mark.skipif(not COMPILED_BACKENDS, reason="the C++ extension
 def _policy_loss_args(batch, *, clip=None, token=False):
     tokens = vk.inputs.token_batch(batch.logp, batch.behavior_logp, batch.old_logp, batch.mask, batch.cu_seqlens)
     dtype = tokens.acc_dtype
-    clip_low, clip_high = clip if clip else (None, None)
+    opts = vk.PolicyLossOptions(is_level="token" if token else "sequence", clip_ratio=clip,
+                                clip_ratio_c=1.5 if clip else None)
     return (
         tokens.logp.detach().clone().requires_grad_(), tokens.behavior_logp, tokens.old_logp, tokens.mask,
         tokens.cu_seqlens, batch.rewards.to(dtype), None, batch.group_index, batch.num_groups,
-        batch.grad_sq_norm.to(dtype), 1 if token else 0, 0, math.log(8.0), math.log(1 / 8.0), False, 1.0, 1, 0,
-        True, False, 0, clip_low, clip_high, 1.5 if clip else None, 1, 0.0,
+        batch.grad_sq_norm.to(dtype), *opts.packed(None),
     )
 
 

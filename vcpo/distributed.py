@@ -20,8 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 import vcpo_kernels
-from vcpo_kernels.inputs import SequenceBatch, sequence_batch, token_batch
-from vcpo_kernels.reference.advantages import sequence_advantages
+from vcpo_kernels.inputs import sequence_batch, token_batch
 
 __all__ = ["policy_loss"]
 
@@ -61,18 +60,17 @@ def policy_loss(logp: Tensor, behavior_logp: Tensor, *, process_group, options, 
     s, length = every[:, 0], every[:, 1]
     first = dist.get_rank(process_group) * b
 
-    lw_ess = torch.clamp(s, max=torch.tensor(options.is_threshold, dtype=s.dtype).log()) \
-        if options.ess_on_corrected else s
-    ess = vcpo_kernels.effective_sample_size(lw_ess, seq_length=length, ess_base_ratio=options.ess_base_ratio,
-                                             lr_rule=options.lr_rule, validate=False, backend="torch")
+    ess = vcpo_kernels.effective_sample_size(
+        s, seq_length=length, ess_base_ratio=options.ess_base_ratio, lr_rule=options.lr_rule, validate=False,
+        is_threshold=options.is_threshold if options.ess_on_corrected else None, backend="torch")
     if seq.advantages is not None:
         baseline, adv_local = seq.advantages.new_zeros(seq.num_groups), seq.advantages
     else:
-        everyone = SequenceBatch(rewards=every[:, 2], advantages=None,
-                                 group_index=None if seq.group_index is None else every[:, 4].long(),
-                                 num_groups=seq.num_groups, grad_sq_norm=every[:, 3])
-        baseline, adv_all = sequence_advantages(everyone, s, length, options)
-        adv_local = adv_all[first:first + b]
+        everyone = vcpo_kernels.advantages(
+            every[:, 2], s, seq_length=length, grad_sq_norm=every[:, 3],
+            group_index=None if seq.group_index is None else every[:, 4].long(), num_groups=seq.num_groups,
+            options=options, validate=False)
+        baseline, adv_local = everyone.baseline, everyone.advantages[first:first + b]
     out = vcpo_kernels.policy_loss(logp, behavior_logp, mask=mask, cu_seqlens=cu_seqlens, old_logp=old_logp,
                                    advantages=adv_local.to(tokens.acc_dtype), options=options, validate=False,
                                    backend=backend)

@@ -17,7 +17,7 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _require_tensor(name: str, value) -> Tensor:
+def require_tensor(name: str, value) -> Tensor:
     if not isinstance(value, Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     return value
@@ -62,14 +62,14 @@ def token_batch(
     cu_seqlens: Optional[Tensor] = None,
     validate: bool = True,
 ) -> TokenBatch:
-    logp = _require_tensor("logp", logp)
-    behavior_logp = _require_tensor("behavior_logp", behavior_logp)
+    logp = require_tensor("logp", logp)
+    behavior_logp = require_tensor("behavior_logp", behavior_logp)
     if logp.dtype not in LOGP_DTYPES:
         raise ValueError(f"logp must be float32, bfloat16, float16 or float64, got {logp.dtype}")
     device = logp.device
     ref_tensors = {"behavior_logp": behavior_logp}
     if old_logp is not None:
-        ref_tensors["old_logp"] = _require_tensor("old_logp", old_logp)
+        ref_tensors["old_logp"] = require_tensor("old_logp", old_logp)
     for name, t in ref_tensors.items():
         _same_device(name, t, device)
         if t.shape != logp.shape:
@@ -82,7 +82,7 @@ def token_batch(
         behavior_logp, old_logp = behavior_logp.to(wide), old_logp.to(wide)
 
     if mask is not None:
-        _require_tensor("mask", mask)
+        require_tensor("mask", mask)
         _same_device("mask", mask, device)
         if mask.shape != logp.shape:
             raise ValueError(f"mask has shape {tuple(mask.shape)}, but logp has {tuple(logp.shape)}")
@@ -98,7 +98,7 @@ def token_batch(
     elif logp.dim() == 1:
         if cu_seqlens is None:
             raise ValueError("cu_seqlens [B+1] is required with packed 1-D logp (or pass padded [B, T] logp)")
-        cu = _require_tensor("cu_seqlens", cu_seqlens)
+        cu = require_tensor("cu_seqlens", cu_seqlens)
         _same_device("cu_seqlens", cu, device)
         if cu.dim() != 1 or cu.numel() < 1 or cu.dtype.is_floating_point or cu.dtype == torch.bool:
             raise ValueError(f"cu_seqlens must be a 1-D integer tensor of B+1 offsets, got {cu.dtype} {tuple(cu.shape)}")
@@ -132,7 +132,7 @@ class SequenceBatch:
 
 def per_sequence(name: str, t, num_seqs: int, device: torch.device, dtype: torch.dtype, validate: bool) -> Tensor:
     """A [B] float input (rewards, advantages, grad_sq_norm) cast to `dtype`; non-finite values are refused."""
-    t = _require_tensor(name, t)
+    t = require_tensor(name, t)
     _same_device(name, t, device)
     if t.shape != (num_seqs,):
         raise ValueError(f"{name} must have shape [B] = [{num_seqs}], got {tuple(t.shape)}")
@@ -151,7 +151,7 @@ def group_index_tensor(
         if num_groups not in (None, 1):
             raise ValueError(f"num_groups={num_groups} needs a group_index")
         return None, 1
-    g = _require_tensor("group_index", group_index)
+    g = require_tensor("group_index", group_index)
     _same_device("group_index", g, device)
     if g.shape != (num_seqs,):
         raise ValueError(f"group_index must have shape [B] = [{num_seqs}], got {tuple(g.shape)}")

@@ -3,18 +3,20 @@ returns device tensors without a host sync. Math: docs/contract.md."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from . import backends
+from . import backends, reference
 from .inputs import (
-    _require_tensor,
+    SequenceBatch,
     grad_sq_norm_tensor,
     group_index_tensor,
     per_sequence,
+    require_tensor,
     sequence_batch,
     token_batch,
 )
@@ -92,7 +94,7 @@ def sequence_stats(
 
 
 def _log_weight_tensor(seq_log_weight) -> Tensor:
-    lw = _require_tensor("seq_log_weight", seq_log_weight)
+    lw = require_tensor("seq_log_weight", seq_log_weight)
     if lw.dim() != 1 or lw.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"seq_log_weight must be a 1-D float32/float64 tensor, got {lw.dtype} {tuple(lw.shape)}")
     return lw.detach().contiguous()
@@ -110,12 +112,17 @@ def effective_sample_size(
     seq_length: Optional[Tensor] = None,
     ess_base_ratio: float = 1.0,
     lr_rule: Optional[str] = "sqrt",
+    is_threshold: Optional[float] = None,
     validate: bool = True,
     backend: str = "auto",
 ) -> EffectiveSampleSize:
-    """ESS = (sum w)^2 / sum w^2 of w = exp(seq_log_weight), in log space, over sequences with seq_length > 0."""
-    opts = PolicyLossOptions(ess_base_ratio=ess_base_ratio, lr_rule=lr_rule)
+    """ESS = (sum w)^2 / sum w^2 of w = exp(seq_log_weight), in log space, over sequences with seq_length > 0;
+    with `is_threshold` C, of the truncated weights min(w, C) (the loss's `ess_on_corrected`)."""
+    opts = PolicyLossOptions(ess_base_ratio=ess_base_ratio, lr_rule=lr_rule,
+                             **({} if is_threshold is None else dict(is_threshold=is_threshold)))
     lw = _log_weight_tensor(seq_log_weight)
+    if is_threshold is not None:
+        lw = torch.clamp(lw, max=math.log(opts.is_threshold))  # NaN stays NaN
     length = _seq_length_tensor(seq_length, lw, _validating(validate))
     kernel = backends.kernel("effective_sample_size", backend, lw.device)
     return EffectiveSampleSize(*kernel(lw, length, opts.ess_base_ratio, opts.lr_rule))
@@ -149,6 +156,31 @@ def opob_baseline(
 
 
 _DEFAULT_OPTIONS = PolicyLossOptions()
+
+
+def advantages(
+    rewards: Tensor,
+    seq_log_weight: Tensor,
+    *,
+    seq_length: Tensor,
+    grad_sq_norm: Optional[Tensor] = None,
+    group_index: Optional[Tensor] = None,
+    num_groups: Optional[int] = None,
+    options: Optional[PolicyLossOptions] = None,
+    validate: bool = True,
+) -> Baseline:
+    """Baselines and advantages of the estimator in `options` (OPOB by default, with its weights, scope and
+    normalisation), from per-sequence quantities exactly as the fused loss forms them: for a caller that holds
+    the sequences of several ranks (vcpo/distributed.py). Torch ops on any device, no host sync."""
+    opts = options if options is not None else _DEFAULT_OPTIONS
+    check = _validating(validate)
+    lw = _log_weight_tensor(seq_log_weight)
+    b, device, dtype = lw.numel(), lw.device, lw.dtype
+    batch_scope = opts.advantage == "opob" and opts.opob_scope == "batch"
+    g, ng = (None, 1) if batch_scope else group_index_tensor(group_index, num_groups, b, device, check)
+    seq = SequenceBatch(per_sequence("rewards", rewards, b, device, dtype, check), None, g, ng,
+                        grad_sq_norm_tensor(grad_sq_norm, b, device, dtype, check))
+    return Baseline(*reference.sequence_advantages(seq, lw, _seq_length_tensor(seq_length, lw, check), opts))
 
 
 def policy_loss(
@@ -226,9 +258,9 @@ def linear_logprobs(
     `seq_grad_row_ids[i, k]` of sequence i's weight gradient to `seq_grad_rows[i, k]` (the inner product with
     a tied embedding's per-sequence gradient needs the rows at its input ids). Only the first backward through
     a call adds to these two; a later one (the loss's, after a norm pass) gives the gradients alone."""
-    hidden = _require_tensor("hidden", hidden)
-    weight = _require_tensor("weight", weight)
-    targets = _require_tensor("targets", targets)
+    hidden = require_tensor("hidden", hidden)
+    weight = require_tensor("weight", weight)
+    targets = require_tensor("targets", targets)
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden must be [N, H] and weight [V, H], got {tuple(hidden.shape)} and "
                          f"{tuple(weight.shape)}")
@@ -254,7 +286,7 @@ def linear_logprobs(
     if per_seq:
         if cu_seqlens is None:
             raise ValueError("seq_grad_sq_norm and seq_grad_rows need cu_seqlens (the sequence boundaries)")
-        cu_seqlens = _require_tensor("cu_seqlens", cu_seqlens)
+        cu_seqlens = require_tensor("cu_seqlens", cu_seqlens)
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"cu_seqlens must be a 1-D int tensor [B+1], got {cu_seqlens.dtype} "
                              f"{tuple(cu_seqlens.shape)}")
@@ -263,7 +295,7 @@ def linear_logprobs(
                                              not seq_grad_sq_norm.is_floating_point()):
             raise ValueError(f"seq_grad_sq_norm must be a float tensor of shape [B] = [{b}]")
         if seq_grad_rows is not None:
-            ids = _require_tensor("seq_grad_row_ids", seq_grad_row_ids)
+            ids = require_tensor("seq_grad_row_ids", seq_grad_row_ids)
             if ids.dim() != 2 or ids.shape[0] != b or ids.dtype not in (torch.int32, torch.int64):
                 raise ValueError(f"seq_grad_row_ids must be an int tensor [B, K] with B = {b}, got {ids.dtype} "
                                  f"{tuple(ids.shape)}")

@@ -1,5 +1,7 @@
 """Options of the VCPO loss (defaults and meaning: docs/contract.md) and their integer codes for the
-compiled ops (mirrored in csrc/cpu/common.h)."""
+compiled ops. This file is the one place the codes are written: csrc/options.h is generated from it
+(`python tools/options_header.py > csrc/options.h`; a test checks that the two agree), and the Triton kernels
+read them as constants (vcpo_kernels/triton/codes.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,10 @@ IS_LEVELS = {"sequence": 0, "token": 1, "geometric": 2}
 IS_CORRECTIONS = {"truncate": 0, "mask": 1, "none": 2}
 LR_RULES = {None: 0, "sqrt": 1, "linear": 2}
 ADVANTAGES = {"opob": 0, "grpo": 1, "rloo": 2, "reinforce": 3, "none": 4}
+GIVEN_ADVANTAGES = 5  # the kernels' code for advantages passed in by the caller
 OPOB_SCOPES = ("group", "batch")
+# Which log weight OPOB squares: s, min(s, log C) (opob_truncated_weights) or s + min(s, log C) (reference_compat).
+OPOB_WEIGHTS = {"raw": 0, "truncated": 1, "reference-compat": 2}
 LOSS_AGG_MODES = {
     "token-mean": 0,
     "seq-mean-token-mean": 1,
@@ -32,6 +37,21 @@ SCALAR_FIELDS = (
     "num_nonfinite",
     "ppo_clip_fraction",
 )
+# The fused op's scalar options, packed by position into `int[] codes` and `float[] values` (an absent clip
+# bound is NaN); PolicyLossOptions.packed() fills them, csrc/loss_options.h unpacks them.
+LOSS_CODES = ("is_level", "is_correction", "ess_on_corrected", "lr_rule", "advantage", "norm_by_std",
+              "opob_length_norm", "opob_weight", "loss_agg")
+LOSS_VALUES = ("log_threshold", "log_threshold_low", "ess_base_ratio", "clip_low", "clip_high", "clip_c",
+               "norm_length")
+# C++ enum -> codes, for csrc/options.h.
+_ENUMS = {
+    "IsLevel": IS_LEVELS,
+    "IsCorrection": IS_CORRECTIONS,
+    "LrRule": LR_RULES,
+    "Advantage": {**ADVANTAGES, "given": GIVEN_ADVANTAGES},
+    "OpobWeight": OPOB_WEIGHTS,
+    "LossAgg": LOSS_AGG_MODES,
+}
 
 
 def _choice(name: str, value, allowed) -> None:
@@ -112,7 +132,43 @@ class PolicyLossOptions:
 
     @property
     def opob_weight_code(self) -> int:
-        return 2 if self.reference_compat else 1 if self.opob_truncated_weights else 0
+        return OPOB_WEIGHTS["reference-compat" if self.reference_compat else
+                            "truncated" if self.opob_truncated_weights else "raw"]
+
+    def packed(self, norm_length: Optional[float]) -> Tuple[list, list]:
+        """(codes, values) of the fused op, in LOSS_CODES and LOSS_VALUES order."""
+        clip_low, clip_high = self.clip_ratio if self.clip_ratio is not None else (math.nan, math.nan)
+        codes = dict(is_level=IS_LEVELS[self.is_level], is_correction=IS_CORRECTIONS[self.is_correction],
+                     ess_on_corrected=int(self.ess_on_corrected), lr_rule=LR_RULES[self.lr_rule],
+                     advantage=ADVANTAGES[self.advantage], norm_by_std=int(self.norm_by_std),
+                     opob_length_norm=int(self.opob_length_norm), opob_weight=self.opob_weight_code,
+                     loss_agg=LOSS_AGG_MODES[self.loss_agg_mode])
+        values = dict(log_threshold=math.log(self.is_threshold), log_threshold_low=math.log(self.threshold_low),
+                      ess_base_ratio=self.ess_base_ratio, clip_low=clip_low, clip_high=clip_high,
+                      clip_c=math.nan if self.clip_ratio_c is None else float(self.clip_ratio_c),
+                      norm_length=0.0 if norm_length is None else float(norm_length))
+        return [codes[k] for k in LOSS_CODES], [values[k] for k in LOSS_VALUES]
 
     def replace(self, **changes) -> "PolicyLossOptions":
         return dataclasses.replace(self, **changes)
+
+
+def _camel(name) -> str:
+    return "None" if name is None else "".join(part.capitalize() for part in name.replace("-", "_").split("_"))
+
+
+def cpp_header() -> str:
+    """csrc/options.h: the codes above as C++ enums."""
+    lines = ["// Generated from vcpo_kernels/options.py by `python tools/options_header.py > csrc/options.h`: edit",
+             "// that file, not this one (tests/test_options.py checks that they agree).", "#pragma once", "",
+             "#include <cstdint>", "", "namespace vcpo {", ""]
+    for enum, codes in _ENUMS.items():
+        members = ", ".join(f"{_camel(k)} = {v}" for k, v in codes.items())
+        lines.append(f"enum class {enum} : int64_t {{ {members} }};")
+    lines.append("")
+    for enum, names, count in (("Scalar", SCALAR_FIELDS, "kNumScalars"), ("LossCode", LOSS_CODES, "kNumLossCodes"),
+                               ("LossValue", LOSS_VALUES, "kNumLossValues")):
+        members = "".join(f"  k{_camel(name)} = {i},\n" for i, name in enumerate(names))
+        lines.append(f"enum {enum} : int64_t {{\n{members}  {count} = {len(names)},\n}};")
+    lines += ["", "}  // namespace vcpo", ""]
+    return "\n".join(lines)

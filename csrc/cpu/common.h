@@ -1,5 +1,5 @@
-// Shared pieces of the CPU kernels: option codes (mirrored in vcpo_kernels/options.py), element loads,
-// branch-free selects and a vectorisable exp. Everything a per-token loop calls is VCPO_INLINE (always
+// Shared pieces of the CPU kernels: the option codes (options.h), element loads, branch-free selects and a
+// vectorisable exp. Everything a per-token loop calls is VCPO_INLINE (always
 // inlined) so that it is compiled for the instruction set of the loop it lands in (see dispatch.h).
 #pragma once
 
@@ -11,36 +11,11 @@
 #include <limits>
 #include <type_traits>
 
+#include "options.h"
+
 #define VCPO_INLINE inline __attribute__((always_inline))
 
 namespace vcpo {
-
-enum class IsLevel : int64_t { Sequence = 0, Token = 1, Geometric = 2 };
-enum class IsCorrection : int64_t { Truncate = 0, Mask = 1, None = 2 };
-enum class LrRule : int64_t { None = 0, Sqrt = 1, Linear = 2 };
-enum class Advantage : int64_t { Opob = 0, Grpo = 1, Rloo = 2, Reinforce = 3, None = 4, Given = 5 };
-enum class OpobWeight : int64_t { Raw = 0, Truncated = 1, ReferenceCompat = 2 };
-enum class LossAgg : int64_t {
-  TokenMean = 0,
-  SeqMeanTokenMean = 1,
-  SeqMeanTokenSum = 2,
-  SeqMeanTokenSumNorm = 3,
-};
-
-// Order of the packed scalar statistics returned by the fused loss (see docs/contract.md).
-enum Scalar : int64_t {
-  kEss = 0,
-  kEssRatio,
-  kLrScale,
-  kIsClipFraction,
-  kMeanIsCoef,
-  kKlK3,
-  kNumTokens,
-  kNumSeqs,
-  kNumNonfinite,
-  kPpoClipFraction,
-  kNumScalars,
-};
 
 template <typename T>
 constexpr T kInf = std::numeric_limits<T>::infinity();

@@ -72,23 +72,6 @@ const acc_t* opt_ptr(const OptTensor& t) {
   return t ? t->data_ptr<acc_t>() : nullptr;
 }
 
-template <typename acc_t>
-LossParams<acc_t> loss_params(int64_t is_level, int64_t is_correction, double log_threshold,
-                              double log_threshold_low, std::optional<double> clip_low,
-                              std::optional<double> clip_high, std::optional<double> clip_c) {
-  LossParams<acc_t> p;
-  p.level = static_cast<IsLevel>(is_level);
-  p.correction = static_cast<IsCorrection>(is_correction);
-  p.log_hi = static_cast<acc_t>(log_threshold);
-  p.log_lo = static_cast<acc_t>(log_threshold_low);
-  p.clip = clip_low.has_value() && clip_high.has_value();
-  p.ratio_lo = static_cast<acc_t>(1.0 - clip_low.value_or(0.0));
-  p.ratio_hi = static_cast<acc_t>(1.0 + clip_high.value_or(0.0));
-  p.dual_clip = p.clip && clip_c.has_value();
-  p.dual_c = static_cast<acc_t>(clip_c.value_or(0.0));
-  return p;
-}
-
 std::tuple<Tensor, Tensor, Tensor> sequence_stats_cpu(const Tensor& logp, const Tensor& behavior_logp,
                                                       const OptTensor& old_logp, const OptTensor& mask,
                                                       const Tensor& cu_seqlens) {
@@ -154,11 +137,7 @@ std::tuple<Tensor, Tensor> opob_baseline_cpu(const Tensor& rewards, const Tensor
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> policy_loss_cpu(
     const Tensor& logp, const Tensor& behavior_logp, const OptTensor& old_logp, const OptTensor& mask,
     const Tensor& cu_seqlens, const OptTensor& rewards, const OptTensor& advantages, const OptTensor& group_index,
-    int64_t num_groups, const OptTensor& grad_sq_norm, int64_t is_level, int64_t is_correction,
-    double log_threshold, double log_threshold_low, bool ess_on_corrected, double ess_base_ratio, int64_t lr_rule,
-    int64_t advantage, bool norm_by_std, bool opob_length_norm, int64_t opob_weight,
-    std::optional<double> clip_low, std::optional<double> clip_high, std::optional<double> clip_c,
-    int64_t loss_agg, double norm_length) {
+    int64_t num_groups, const OptTensor& grad_sq_norm, c10::IntArrayRef codes, c10::ArrayRef<double> values) {
   const TokenView v = token_view(logp, behavior_logp, old_logp, mask, cu_seqlens);
   const int64_t b = v.num_seqs;
   const auto acc = acc_dtype(logp.scalar_type());
@@ -171,15 +150,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> policy_loss_cpu(
   const auto opts = logp.options().dtype(acc);
   Tensor loss = at::empty({}, opts), scalars = at::empty({kNumScalars}, opts), baseline = at::empty({num_groups}, opts),
          adv = at::empty({b}, opts), seq_log_weight = at::empty({b}, opts), grad_scale = at::empty({b}, opts);
-  const ForwardOptions o{ess_on_corrected,
-                         ess_base_ratio,
-                         static_cast<LrRule>(lr_rule),
-                         advantages ? Advantage::Given : static_cast<Advantage>(advantage),
-                         norm_by_std,
-                         opob_length_norm,
-                         static_cast<OpobWeight>(opob_weight),
-                         static_cast<LossAgg>(loss_agg),
-                         norm_length};
+  const LossOptions o = unpack_loss_options(codes, values, advantages.has_value());
   const SequenceInputs seq{rewards ? rewards->data_ptr() : nullptr, advantages ? advantages->data_ptr() : nullptr,
                            opt_ptr<int64_t>(group_index), num_groups,
                            grad_sq_norm ? grad_sq_norm->data_ptr() : nullptr};
@@ -187,8 +158,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> policy_loss_cpu(
     using lp_t = decltype(lp);
     using ref_t = decltype(ref);
     using acc_t = acc_type<lp_t>;
-    const auto p = loss_params<acc_t>(is_level, is_correction, log_threshold, log_threshold_low, clip_low,
-                                      clip_high, clip_c);
+    const auto p = loss_params<acc_t>(o);
     const ForwardOutputs<acc_t> out{loss.data_ptr<acc_t>(),     scalars.data_ptr<acc_t>(),
                                     baseline.data_ptr<acc_t>(), adv.data_ptr<acc_t>(),
                                     seq_log_weight.data_ptr<acc_t>(), grad_scale.data_ptr<acc_t>()};
@@ -199,10 +169,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> policy_loss_cpu(
 
 Tensor policy_loss_backward_cpu(const Tensor& grad_loss, const Tensor& logp, const Tensor& behavior_logp,
                                 const OptTensor& old_logp, const OptTensor& mask, const Tensor& cu_seqlens,
-                                const Tensor& grad_scale, const Tensor& advantages, int64_t is_level,
-                                int64_t is_correction, double log_threshold, double log_threshold_low,
-                                std::optional<double> clip_low, std::optional<double> clip_high,
-                                std::optional<double> clip_c) {
+                                const Tensor& grad_scale, const Tensor& advantages, c10::IntArrayRef codes,
+                                c10::ArrayRef<double> values) {
   const TokenView v = token_view(logp, behavior_logp, old_logp, mask, cu_seqlens);
   const auto acc = acc_dtype(logp.scalar_type());
   check_seq(grad_scale, "grad_scale", v.num_seqs, acc, kCpu);
@@ -214,8 +182,7 @@ Tensor policy_loss_backward_cpu(const Tensor& grad_loss, const Tensor& logp, con
     using lp_t = decltype(lp);
     using ref_t = decltype(ref);
     using acc_t = acc_type<lp_t>;
-    const auto p = loss_params<acc_t>(is_level, is_correction, log_threshold, log_threshold_low, clip_low,
-                                      clip_high, clip_c);
+    const auto p = loss_params<acc_t>(unpack_loss_options(codes, values, true));
     policy_loss_backward<lp_t, ref_t, acc_t>(v, static_cast<acc_t>(g), grad_scale.data_ptr<acc_t>(),
                                              advantages.data_ptr<acc_t>(), p, grad.data_ptr<lp_t>());
   });

@@ -39,18 +39,6 @@ struct SequenceInputs {
   const void* grad_sq_norm;  // acc_t [B] or nullptr
 };
 
-struct ForwardOptions {
-  bool ess_on_corrected;
-  double ess_base_ratio;
-  LrRule lr_rule;
-  Advantage advantage;
-  bool norm_by_std;
-  bool opob_length_norm;
-  OpobWeight opob_weight;
-  LossAgg agg;
-  double norm_length;
-};
-
 template <typename acc_t>
 struct ForwardOutputs {
   acc_t* loss;            // [1]
@@ -63,7 +51,7 @@ struct ForwardOutputs {
 
 template <typename lp_t, typename ref_t, typename acc_t>
 void policy_loss_forward(const TokenView& v, const SequenceInputs& seq, const LossParams<acc_t>& p,
-                         const ForwardOptions& o, const ForwardOutputs<acc_t>& out) {
+                         const LossOptions& o, const ForwardOutputs<acc_t>& out) {
   const int64_t B = v.num_seqs;
   const int64_t N = v.cu_seqlens[B];
   const int64_t grain = sequence_grain(B, N);
@@ -113,7 +101,7 @@ void policy_loss_forward(const TokenView& v, const SequenceInputs& seq, const Lo
       continue;
     }
     double a = 0;
-    switch (o.agg) {
+    switch (o.loss_agg) {
       case LossAgg::TokenMean: a = 1.0 / num_tokens; break;
       case LossAgg::SeqMeanTokenMean: a = 1.0 / (num_seqs * length[i]); break;
       case LossAgg::SeqMeanTokenSum: a = 1.0 / num_seqs; break;

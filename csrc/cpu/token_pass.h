@@ -3,20 +3,10 @@
 #pragma once
 
 #include "common.h"
+#include "loss_options.h"
 #include "sequence_stats.h"
 
 namespace vcpo {
-
-template <typename acc_t>
-struct LossParams {
-  IsLevel level;
-  IsCorrection correction;
-  acc_t log_hi, log_lo;  // log C and log C_low
-  bool clip;
-  acc_t ratio_lo, ratio_hi;  // 1 - eps_low, 1 + eps_high
-  bool dual_clip;
-  acc_t dual_c;
-};
 
 // IS coefficient of a unit with log weight lw.
 template <typename acc_t>

@@ -13,6 +13,7 @@
 #include <torch/library.h>
 
 #include "checks.h"
+#include "loss_options.h"
 
 #include <cmath>
 #include <optional>
@@ -28,12 +29,6 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr double kInf = INFINITY;
 
-// Option codes, as in vcpo_kernels/options.py and csrc/cpu/common.h.
-enum : int64_t { kTruncate = 0, kMask = 1 };
-enum : int64_t { kSequence = 0, kToken = 1, kGeometric = 2 };
-enum : int64_t { kOpob = 0, kGrpo = 1, kRloo = 2, kReinforce = 3, kNoBaseline = 4, kGiven = 5 };
-enum : int64_t { kTokenMean = 0, kSeqMeanTokenMean = 1, kSeqMeanTokenSum = 2, kSeqMeanTokenSumNorm = 3 };
-constexpr int kNumScalars = 10;
 
 template <typename T>
 using acc_of = typename std::conditional<std::is_same<T, double>::value, double, float>::type;
@@ -226,16 +221,16 @@ __global__ void sequence_partials_kernel(Tokens t, acc_t* partials) {
 
 // ---- ESS ------------------------------------------------------------------------------------------------
 
-__device__ double lr_from_ratio(double ratio, double base, int64_t rule) {
+__device__ double lr_from_ratio(double ratio, double base, LrRule rule) {
   if (ratio != ratio) return 0.0;  // NaN weights skip the step, never a full lr
   const double x = min(ratio / base, 1.0);
-  return rule == 1 ? sqrt(x) : rule == 2 ? x : 1.0;
+  return rule == LrRule::Sqrt ? sqrt(x) : rule == LrRule::Linear ? x : 1.0;
 }
 
 // (ess, ratio, lr) over the valid sequences, by the whole block; truncate: min(lw, log_hi), NaN kept.
 template <typename acc_t>
 __device__ void ess_of(const acc_t* lw, const acc_t* length, int64_t n, bool truncate, double log_hi, double base,
-                       int64_t rule, double* out) {
+                       LrRule rule, double* out) {
   double m = -kInf, count = 0;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
     if (length && !(length[i] > 0)) continue;
@@ -266,7 +261,7 @@ __device__ void ess_of(const acc_t* lw, const acc_t* length, int64_t n, bool tru
 }
 
 template <typename acc_t>
-__global__ void ess_kernel(const acc_t* lw, const acc_t* length, int64_t n, double base, int64_t rule, acc_t* out) {
+__global__ void ess_kernel(const acc_t* lw, const acc_t* length, int64_t n, double base, LrRule rule, acc_t* out) {
   double r[3];
   ess_of(lw, length, n, false, 0.0, base, rule, r);
   if (threadIdx.x == 0) {
@@ -285,7 +280,7 @@ struct Groups {
   const void* log_weight;    // nullptr: not OPOB
   const void* grad_sq_norm;  // nullptr: G = 1
   bool length_norm;
-  int64_t weight_mode;
+  OpobWeight weight;
   double log_hi;
   // Group grp's members are order[start[grp]:start[grp + 1]] (from members_by_group; nullptr: one group).
   const int64_t* order;
@@ -310,7 +305,8 @@ template <typename acc_t>
 __device__ __forceinline__ double opob_log_w(const Groups& g, int64_t i) {
   const double s = static_cast<const acc_t*>(g.log_weight)[i];
   const double trunc = s > g.log_hi ? g.log_hi : s;
-  double lw = 2.0 * (g.weight_mode == 1 ? trunc : g.weight_mode == 2 ? s + trunc : s);
+  const double w = g.weight == OpobWeight::Truncated ? trunc : g.weight == OpobWeight::ReferenceCompat ? s + trunc : s;
+  double lw = 2.0 * w;
   if (g.grad_sq_norm) lw += log(static_cast<double>(static_cast<const acc_t*>(g.grad_sq_norm)[i]));
   if (g.length_norm) lw -= 2.0 * log(static_cast<double>(static_cast<const acc_t*>(g.length)[i]));
   return lw;
@@ -371,7 +367,7 @@ __global__ void group_stats_kernel(Groups g, double* stats) {
 }
 
 template <typename acc_t>
-__global__ void advantages_kernel(Groups g, const double* stats, int64_t kind, bool norm_by_std, acc_t* adv) {
+__global__ void advantages_kernel(Groups g, const double* stats, Advantage kind, bool norm_by_std, acc_t* adv) {
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   if (i >= g.num_seqs) return;
   if (g.length && !(static_cast<const acc_t*>(g.length)[i] > 0)) {
@@ -383,16 +379,16 @@ __global__ void advantages_kernel(Groups g, const double* stats, int64_t kind, b
   const double n = stats[grp], mean = stats[g.num_groups + grp], var = stats[2 * g.num_groups + grp];
   const double b = stats[3 * g.num_groups + grp], r = static_cast<const acc_t*>(g.rewards)[i];
   double a = r;
-  if (kind == kOpob) {
+  if (kind == Advantage::Opob) {
     a = r - b;
     const double sigma = sqrt(var);
     if (norm_by_std && sigma > 1e-8) a /= sigma;
-  } else if (kind == kGrpo) {
+  } else if (kind == Advantage::Grpo) {
     a = r - mean;
     if (norm_by_std) a /= (n > 1 ? sqrt(var * n / (n - 1)) : 0.0) + 1e-6;
-  } else if (kind == kRloo) {
+  } else if (kind == Advantage::Rloo) {
     a = n > 1 ? (r - mean) * n / (n - 1) : 0.0;
-  } else if (kind == kReinforce) {
+  } else if (kind == Advantage::Reinforce) {
     a = r - mean;  // the stats are of the whole batch, one group
   }
   adv[i] = static_cast<acc_t>(a);
@@ -400,11 +396,11 @@ __global__ void advantages_kernel(Groups g, const double* stats, int64_t kind, b
 
 // (baseline [num_groups], advantages [B]) in acc_t of the given estimator.
 template <typename acc_t>
-std::pair<Tensor, Tensor> advantages(Groups g, const OptTensor& group_index, int64_t kind, bool norm_by_std,
+std::pair<Tensor, Tensor> advantages(Groups g, const OptTensor& group_index, Advantage kind, bool norm_by_std,
                                      const at::TensorOptions& opts) {
   const int64_t num_groups = g.num_groups;
   Tensor order, start;
-  if (kind == kReinforce) {  // one batch-wide baseline
+  if (kind == Advantage::Reinforce) {  // one batch-wide baseline
     g.group = nullptr;
     g.num_groups = 1;
   } else if (group_index) {
@@ -412,7 +408,7 @@ std::pair<Tensor, Tensor> advantages(Groups g, const OptTensor& group_index, int
     g.order = order.data_ptr<int64_t>();
     g.start = start.data_ptr<int64_t>();
   }
-  if (kind != kOpob) g.log_weight = nullptr;
+  if (kind != Advantage::Opob) g.log_weight = nullptr;
   auto stream = at::cuda::getCurrentCUDAStream();
   Tensor stats = at::empty({4, g.num_groups}, opts.dtype(at::kDouble));
   group_stats_kernel<acc_t><<<g.num_groups, kThreads, 0, stream>>>(g, stats.data_ptr<double>());
@@ -422,32 +418,27 @@ std::pair<Tensor, Tensor> advantages(Groups g, const OptTensor& group_index, int
         g, stats.data_ptr<double>(), kind, norm_by_std, adv.data_ptr<acc_t>());
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  Tensor baseline = kind == kNoBaseline  ? at::zeros({num_groups}, opts)
-                    : kind == kReinforce ? stats[3].expand({num_groups}).to(opts.dtype()).contiguous()
-                                         : stats[3].to(opts.dtype());
+  Tensor baseline = kind == Advantage::None        ? at::zeros({num_groups}, opts)
+                    : kind == Advantage::Reinforce ? stats[3].expand({num_groups}).to(opts.dtype()).contiguous()
+                                                   : stats[3].to(opts.dtype());
   return {baseline, adv};
 }
 
 // ---- the loss -------------------------------------------------------------------------------------------
 
-struct LossParams {
-  int64_t level, correction;
-  double log_hi, log_lo;
-  bool clip, dual;
-  double ratio_lo, ratio_hi, dual_c;
-};
+using Params = LossParams<double>;  // cast to acc_t where read
 
 template <typename acc_t>
-__device__ __forceinline__ acc_t is_coef(acc_t lw, const LossParams& p) {
-  if (p.correction == kTruncate) return exp(lw > acc_t(p.log_hi) ? acc_t(p.log_hi) : lw);
-  if (p.correction == kMask) return (lw >= acc_t(p.log_lo) && lw <= acc_t(p.log_hi)) ? acc_t(1) : acc_t(0);
+__device__ __forceinline__ acc_t is_coef(acc_t lw, const Params& p) {
+  if (p.correction == IsCorrection::Truncate) return exp(lw > acc_t(p.log_hi) ? acc_t(p.log_hi) : lw);
+  if (p.correction == IsCorrection::Mask) return (lw >= acc_t(p.log_lo) && lw <= acc_t(p.log_hi)) ? acc_t(1) : acc_t(0);
   return acc_t(1);
 }
 
 template <typename acc_t>
-__device__ __forceinline__ acc_t is_changed(acc_t lw, const LossParams& p) {
-  const bool out = p.correction == kTruncate ? lw > acc_t(p.log_hi)
-                   : p.correction == kMask   ? !(lw >= acc_t(p.log_lo) && lw <= acc_t(p.log_hi))
+__device__ __forceinline__ acc_t is_changed(acc_t lw, const Params& p) {
+  const bool out = p.correction == IsCorrection::Truncate ? lw > acc_t(p.log_hi)
+                   : p.correction == IsCorrection::Mask   ? !(lw >= acc_t(p.log_lo) && lw <= acc_t(p.log_hi))
                                              : false;
   return out ? acc_t(1) : acc_t(0);
 }
@@ -456,8 +447,8 @@ __device__ __forceinline__ acc_t is_changed(acc_t lw, const LossParams& p) {
 enum : int { kWTokens = 0, kWSeqs, kWKl, kWNonfinite, kWEss, kWRatio, kWLr, kWChanged, kWCoef, kNumWork };
 
 template <typename acc_t>
-__global__ void batch_step_kernel(const acc_t* s, const acc_t* length, const acc_t* kl, int64_t n, LossParams p,
-                                  bool ess_on_corrected, double base, int64_t rule, int64_t agg, double norm_length,
+__global__ void batch_step_kernel(const acc_t* s, const acc_t* length, const acc_t* kl, int64_t n, Params p,
+                                  bool ess_on_corrected, double base, LrRule rule, LossAgg agg, double norm_length,
                                   acc_t* grad_scale, double* work) {
   double tokens = 0, seqs = 0, kl_sum = 0, nonfinite = 0;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
@@ -480,13 +471,13 @@ __global__ void batch_step_kernel(const acc_t* s, const acc_t* length, const acc
       grad_scale[i] = 0;
       continue;
     }
-    const double a = agg == kTokenMean           ? 1.0 / tokens
-                     : agg == kSeqMeanTokenMean ? 1.0 / (seqs * len)
-                     : agg == kSeqMeanTokenSum  ? 1.0 / seqs
+    const double a = agg == LossAgg::TokenMean           ? 1.0 / tokens
+                     : agg == LossAgg::SeqMeanTokenMean ? 1.0 / (seqs * len)
+                     : agg == LossAgg::SeqMeanTokenSum  ? 1.0 / seqs
                                                 : 1.0 / (seqs * norm_length);
     acc_t c = 1;
-    if (p.level != kToken) {
-      const acc_t lw = p.level == kGeometric ? s[i] / static_cast<acc_t>(len) : s[i];
+    if (p.level != IsLevel::Token) {
+      const acc_t lw = p.level == IsLevel::Geometric ? s[i] / static_cast<acc_t>(len) : s[i];
       c = is_coef(lw, p);
       changed += is_changed(lw, p);
       coef += c;
@@ -505,13 +496,13 @@ __global__ void batch_step_kernel(const acc_t* s, const acc_t* length, const acc
 // and clipped tokens. Backward: grad[t] = g grad_scale c (d p / d r) r, exactly 0 where the token does not
 // count or its unit was removed (c = 0), even where r or A are not finite.
 template <bool WriteGrad, typename lp_t, typename ref_t, typename acc_t>
-__global__ void token_pass_kernel(Tokens t, LossParams p, const acc_t* adv_in, const acc_t* grad_scale,
+__global__ void token_pass_kernel(Tokens t, Params p, const acc_t* adv_in, const acc_t* grad_scale,
                                   const acc_t* grad_loss, acc_t* partials, lp_t* grad) {
   const Span sp = chunk_span(t, blockIdx.x);
   if (sp.seq >= t.num_seqs) return;
   const acc_t adv = adv_in[sp.seq];
   const acc_t gs = grad_scale[sp.seq] * (WriteGrad ? *grad_loss : acc_t(1));
-  const bool token_level = p.level == kToken, has_old = t.old != nullptr;
+  const bool token_level = p.level == IsLevel::Token, has_old = t.old != nullptr;
   acc_t loss = 0, changed = 0, coef_sum = 0, clipped = 0;
   visit_tokens<lp_t, ref_t, acc_t>(t, sp.first, sp.last, WriteGrad ? grad : nullptr,
                                    [&](int64_t, bool counted, acc_t cur, acc_t mu, acc_t prox) {
@@ -536,7 +527,7 @@ __global__ void token_pass_kernel(Tokens t, LossParams p, const acc_t* adv_in, c
       dval = take_unclipped ? dval : acc_t(0);
       on_clip = !take_unclipped;
       const acc_t limit = -adv * acc_t(p.dual_c);
-      const bool take_dual = p.dual && adv < 0 && !(val <= limit);
+      const bool take_dual = p.dual_clip && adv < 0 && !(val <= limit);
       val = take_dual ? limit : val;
       dval = take_dual ? acc_t(0) : dval;
       on_clip = on_clip || take_dual;
@@ -779,7 +770,7 @@ std::tuple<Tensor, Tensor, Tensor> effective_sample_size_cuda(const Tensor& log_
   AT_DISPATCH_FLOATING_TYPES(dtype, "vcpo_ess_cuda", [&] {
     ess_kernel<scalar_t><<<1, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
         log_weight.data_ptr<scalar_t>(), seq_length ? seq_length->data_ptr<scalar_t>() : nullptr, log_weight.numel(),
-        ess_base_ratio, lr_rule, out.data_ptr<scalar_t>());
+        ess_base_ratio, static_cast<LrRule>(lr_rule), out.data_ptr<scalar_t>());
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {out[0], out[1], out[2]};
@@ -805,34 +796,17 @@ std::tuple<Tensor, Tensor> opob_baseline_cuda(const Tensor& rewards, const Tenso
   AT_DISPATCH_FLOATING_TYPES(dtype, "vcpo_opob_cuda", [&] {
     const Groups g{rewards.data_ptr(), seq_length ? seq_length->data_ptr() : nullptr,
                    group_index ? group_index->data_ptr<int64_t>() : nullptr, b, num_groups, log_weight.data_ptr(),
-                   grad_sq_norm ? grad_sq_norm->data_ptr() : nullptr, length_norm, 0, 0.0, nullptr, nullptr};
-    out = advantages<scalar_t>(g, group_index, kOpob, norm_by_std, log_weight.options());
+                   grad_sq_norm ? grad_sq_norm->data_ptr() : nullptr, length_norm, OpobWeight::Raw, 0.0,
+                   nullptr, nullptr};
+    out = advantages<scalar_t>(g, group_index, Advantage::Opob, norm_by_std, log_weight.options());
   });
   return {out.first, out.second};
-}
-
-LossParams loss_params(int64_t is_level, int64_t is_correction, double log_threshold, double log_threshold_low,
-                       std::optional<double> clip_low, std::optional<double> clip_high, std::optional<double> clip_c) {
-  LossParams p;
-  p.level = is_level;
-  p.correction = is_correction;
-  p.log_hi = log_threshold;
-  p.log_lo = log_threshold_low;
-  p.clip = clip_low.has_value() && clip_high.has_value();
-  p.ratio_lo = 1.0 - clip_low.value_or(0.0);
-  p.ratio_hi = 1.0 + clip_high.value_or(0.0);
-  p.dual = p.clip && clip_c.has_value();
-  p.dual_c = clip_c.value_or(0.0);
-  return p;
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> policy_loss_cuda(
     const Tensor& logp, const Tensor& behavior_logp, const OptTensor& old_logp, const OptTensor& mask,
     const Tensor& cu_seqlens, const OptTensor& rewards, const OptTensor& advantages_in, const OptTensor& group_index,
-    int64_t num_groups, const OptTensor& grad_sq_norm, int64_t is_level, int64_t is_correction, double log_threshold,
-    double log_threshold_low, bool ess_on_corrected, double ess_base_ratio, int64_t lr_rule, int64_t advantage,
-    bool norm_by_std, bool opob_length_norm, int64_t opob_weight, std::optional<double> clip_low,
-    std::optional<double> clip_high, std::optional<double> clip_c, int64_t loss_agg, double norm_length) {
+    int64_t num_groups, const OptTensor& grad_sq_norm, c10::IntArrayRef codes, c10::ArrayRef<double> values) {
   const at::Device device = cuda_device_of(logp, "logp");
   const c10::cuda::CUDAGuard guard(device);
   const auto [chunk_end, grid_size] = chunk_plan(cu_seqlens, logp.numel());
@@ -847,8 +821,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> policy_loss_cuda(
   check_seq(grad_sq_norm, "grad_sq_norm", b, acc, device);
   check_seq(group_index, "group_index", b, at::kLong, device);
   const auto opts = logp.options().dtype(acc);
-  const LossParams p = loss_params(is_level, is_correction, log_threshold, log_threshold_low, clip_low, clip_high,
-                                   clip_c);
+  const LossOptions o = unpack_loss_options(codes, values, advantages_in.has_value());
+  const Params p = loss_params<double>(o);
   auto stream = at::cuda::getCurrentCUDAStream();
   Tensor loss = at::empty({}, opts), scalars = at::empty({kNumScalars}, opts), baseline, adv;
   Tensor grad_scale = at::empty({b}, opts), seq_log_weight;
@@ -861,18 +835,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> policy_loss_cuda(
     const Tensor length = sums[1].contiguous(), kl = sums[2].contiguous(), s = seq_log_weight.contiguous();
     Tensor work = at::empty({kNumWork}, opts.dtype(at::kDouble));
     batch_step_kernel<acc_t><<<1, kThreads, 0, stream>>>(
-        s.data_ptr<acc_t>(), length.data_ptr<acc_t>(), kl.data_ptr<acc_t>(), b, p, ess_on_corrected, ess_base_ratio,
-        lr_rule, loss_agg, norm_length, grad_scale.data_ptr<acc_t>(), work.data_ptr<double>());
+        s.data_ptr<acc_t>(), length.data_ptr<acc_t>(), kl.data_ptr<acc_t>(), b, p, o.ess_on_corrected,
+        o.ess_base_ratio, o.lr_rule, o.loss_agg, o.norm_length, grad_scale.data_ptr<acc_t>(),
+        work.data_ptr<double>());
     if (advantages_in) {
       baseline = at::zeros({num_groups}, opts);
       adv = at::where(length > 0, *advantages_in, at::zeros({}, opts));
     } else {
       const Groups g{rewards->data_ptr(), length.data_ptr(), group_index ? group_index->data_ptr<int64_t>() : nullptr,
                      b, num_groups, s.data_ptr(), grad_sq_norm ? grad_sq_norm->data_ptr() : nullptr,
-                     opob_length_norm, opob_weight, log_threshold, nullptr, nullptr};
-      std::tie(baseline, adv) = advantages<acc_t>(g, group_index, advantage, norm_by_std, opts);
+                     o.opob_length_norm, o.opob_weight, o.log_threshold, nullptr, nullptr};
+      std::tie(baseline, adv) = advantages<acc_t>(g, group_index, o.advantage, o.norm_by_std, opts);
     }
-    const bool token_pass = old_logp.has_value() || is_level == kToken;
+    const bool token_pass = old_logp.has_value() || o.is_level == IsLevel::Token;
     Tensor partials = at::zeros({std::max<int64_t>(grid, 1), 4}, opts);
     if (token_pass && grid > 0 && b > 0) {
       token_pass_kernel<false, lp_t, ref_t, acc_t><<<grid, kThreads, 0, stream>>>(
@@ -880,8 +855,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> policy_loss_cuda(
     }
     finish_kernel<acc_t><<<1, kThreads, 0, stream>>>(
         partials.data_ptr<acc_t>(), token_pass ? grid : 0, work.data_ptr<double>(), grad_scale.data_ptr<acc_t>(),
-        adv.data_ptr<acc_t>(), length.data_ptr<acc_t>(), b, token_pass, is_level == kToken, loss.data_ptr<acc_t>(),
-        scalars.data_ptr<acc_t>());
+        adv.data_ptr<acc_t>(), length.data_ptr<acc_t>(), b, token_pass, o.is_level == IsLevel::Token,
+        loss.data_ptr<acc_t>(), scalars.data_ptr<acc_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {loss, scalars, baseline, adv, seq_log_weight, grad_scale};
@@ -889,10 +864,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> policy_loss_cuda(
 
 Tensor policy_loss_backward_cuda(const Tensor& grad_loss, const Tensor& logp, const Tensor& behavior_logp,
                                  const OptTensor& old_logp, const OptTensor& mask, const Tensor& cu_seqlens,
-                                 const Tensor& grad_scale, const Tensor& advantages_in, int64_t is_level,
-                                 int64_t is_correction, double log_threshold, double log_threshold_low,
-                                 std::optional<double> clip_low, std::optional<double> clip_high,
-                                 std::optional<double> clip_c) {
+                                 const Tensor& grad_scale, const Tensor& advantages_in, c10::IntArrayRef codes,
+                                 c10::ArrayRef<double> values) {
   const at::Device device = cuda_device_of(logp, "logp");
   const c10::cuda::CUDAGuard guard(device);
   const auto [chunk_end, grid_size] = chunk_plan(cu_seqlens, logp.numel());
@@ -903,8 +876,7 @@ Tensor policy_loss_backward_cuda(const Tensor& grad_loss, const Tensor& logp, co
   check_seq(advantages_in, "advantages", t.num_seqs, acc, device);
   TORCH_CHECK(grad_loss.numel() == 1, "vcpo: grad_loss must be a scalar");
   const Tensor g = grad_loss.to(logp.device(), acc).reshape({1}).contiguous();  // read on the device: no sync
-  const LossParams p = loss_params(is_level, is_correction, log_threshold, log_threshold_low, clip_low, clip_high,
-                                   clip_c);
+  const Params p = loss_params<double>(unpack_loss_options(codes, values, true));
   // Every token lies in a chunk of valid offsets, so each element is written; unvalidated bad offsets leave
   // some unwritten (never out of bounds).
   Tensor grad = at::empty_like(logp);

@@ -6,17 +6,21 @@ import torch
 import triton
 import triton.language as tl
 
+from ..options import ADVANTAGES
+from .codes import (ADVANTAGE_GRPO, ADVANTAGE_OPOB, ADVANTAGE_REINFORCE, ADVANTAGE_RLOO, WEIGHT_REFERENCE_COMPAT,
+                    WEIGHT_TRUNCATED)
+
 BLOCK_SEQS = 1024
-OPOB, GRPO, RLOO, REINFORCE, NONE = 0, 1, 2, 3, 4  # vcpo_kernels/options.py ADVANTAGES
+OPOB, REINFORCE, NONE = ADVANTAGES["opob"], ADVANTAGES["reinforce"], ADVANTAGES["none"]
 
 
 @triton.jit
 def opob_log_weight(s, log_hi, WEIGHT: tl.constexpr):
     """The log weight OPOB squares: s (raw), min(s, log C) (truncated), or s + min(s, log C) (reference)."""
     trunc = tl.where(s > log_hi, log_hi, s)
-    if WEIGHT == 1:
+    if WEIGHT == WEIGHT_TRUNCATED:
         return trunc
-    if WEIGHT == 2:
+    if WEIGHT == WEIGHT_REFERENCE_COMPAT:
         return s + trunc
     return s
 
@@ -112,19 +116,19 @@ def _advantages(r_ptr, len_ptr, g_ptr, stats_ptr, adv_ptr, n, num_groups, KIND: 
     var = tl.load(stats_ptr + 2 * num_groups + g, mask=inside, other=0.0)
     baseline = tl.load(stats_ptr + 3 * num_groups + g, mask=inside, other=0.0)
     r = tl.load(r_ptr + i, mask=inside, other=0.0).to(tl.float64)
-    if KIND == 0:  # OPOB
+    if KIND == ADVANTAGE_OPOB:
         a = r - baseline
         if NORM_BY_STD:
             sigma = tl.sqrt(var)
             a = tl.where(sigma > 1e-8, a / sigma, a)
-    elif KIND == 1:  # GRPO
+    elif KIND == ADVANTAGE_GRPO:
         a = r - mean
         if NORM_BY_STD:
             std = tl.where(count > 1, tl.sqrt(var * count / tl.maximum(count - 1, 1.0)), 0.0)
             a = a / (std + 1e-6)
-    elif KIND == 2:  # RLOO
+    elif KIND == ADVANTAGE_RLOO:
         a = tl.where(count > 1, (r - mean) * count / tl.maximum(count - 1, 1.0), 0.0)
-    elif KIND == 3:  # REINFORCE: the stats are of the whole batch, one group
+    elif KIND == ADVANTAGE_REINFORCE:  # the stats are of the whole batch, one group
         a = r - mean
     else:
         a = r

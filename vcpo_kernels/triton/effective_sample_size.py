@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 from ..options import LR_RULES
+from .codes import RULE_NONE, RULE_SQRT
 
 BLOCK_SEQS = 1024
 
@@ -14,9 +15,9 @@ BLOCK_SEQS = 1024
 def lr_from_ratio(ratio, base, RULE: tl.constexpr):
     """min(1, ratio / base) ** (1/2 | 1 | 0); 0 for a NaN ratio (skip the step, never a full lr)."""
     x = tl.minimum(ratio / base, 1.0)
-    if RULE == 1:
+    if RULE == RULE_SQRT:
         x = tl.sqrt(x)
-    if RULE == 0:
+    if RULE == RULE_NONE:
         x = x * 0.0 + 1.0
     return tl.where(ratio != ratio, 0.0, x)
 

@@ -17,6 +17,8 @@ import triton.language as tl
 from ..inputs import SequenceBatch, TokenBatch
 from ..options import ADVANTAGES, IS_CORRECTIONS, IS_LEVELS, LOSS_AGG_MODES, LR_RULES, PolicyLossOptions
 from .advantages import OPOB, advantages
+from .codes import (AGG_SEQ_MEAN_TOKEN_MEAN, AGG_SEQ_MEAN_TOKEN_SUM, AGG_TOKEN_MEAN, CORRECTION_MASK,
+                    CORRECTION_TRUNCATE, LEVEL_GEOMETRIC, LEVEL_TOKEN)
 from .effective_sample_size import ess_of
 from .segments import BLOCK, CHUNK, chunk_span
 from .sequence_stats import sequence_sums
@@ -27,18 +29,18 @@ BLOCK_SEQS = 1024
 @triton.jit
 def is_coef(lw, log_hi, log_lo, CORRECTION: tl.constexpr):
     """The IS coefficient of a unit with log weight lw: exp(min(lw, log C)), 1[log C_low <= lw <= log C] or 1."""
-    if CORRECTION == 0:
+    if CORRECTION == CORRECTION_TRUNCATE:
         return tl.exp(tl.where(lw > log_hi, log_hi, lw))
-    if CORRECTION == 1:
+    if CORRECTION == CORRECTION_MASK:
         return tl.where((lw >= log_lo) & (lw <= log_hi), 1.0, 0.0)
     return lw * 0.0 + 1.0
 
 
 @triton.jit
 def is_changed(lw, log_hi, log_lo, CORRECTION: tl.constexpr):
-    if CORRECTION == 0:
+    if CORRECTION == CORRECTION_TRUNCATE:
         return tl.where(lw > log_hi, 1.0, 0.0)
-    if CORRECTION == 1:
+    if CORRECTION == CORRECTION_MASK:
         return tl.where((lw >= log_lo) & (lw <= log_hi), 0.0, 1.0)
     return lw * 0.0
 
@@ -70,18 +72,18 @@ def _batch_step(s_ptr, len_ptr, kl_ptr, gs_ptr, work_ptr, n, log_hi, log_lo, bas
         i = start + tl.arange(0, BLOCK)
         length = tl.load(len_ptr + i, mask=i < n, other=0.0).to(tl.float64)
         valid = length > 0
-        if AGG == 0:  # token-mean
+        if AGG == AGG_TOKEN_MEAN:
             a = 1.0 / tl.maximum(tokens, 1.0) + length * 0.0
-        elif AGG == 1:  # seq-mean-token-mean
+        elif AGG == AGG_SEQ_MEAN_TOKEN_MEAN:
             a = 1.0 / (tl.maximum(seqs, 1.0) * tl.maximum(length, 1.0))
-        elif AGG == 2:  # seq-mean-token-sum
+        elif AGG == AGG_SEQ_MEAN_TOKEN_SUM:
             a = 1.0 / tl.maximum(seqs, 1.0) + length * 0.0
         else:  # seq-mean-token-sum-norm
             a = 1.0 / (tl.maximum(seqs, 1.0) * norm_length) + length * 0.0
         c = length * 0.0 + 1.0
-        if LEVEL != 1:  # sequence or geometric: one coefficient per sequence
+        if LEVEL != LEVEL_TOKEN:  # sequence or geometric: one coefficient per sequence
             s = tl.load(s_ptr + i, mask=valid, other=0.0).to(tl.float64)
-            lw = s / tl.maximum(length, 1.0) if LEVEL == 2 else s
+            lw = s / tl.maximum(length, 1.0) if LEVEL == LEVEL_GEOMETRIC else s
             c = is_coef(lw, log_hi, log_lo, CORRECTION)
             changed += tl.sum(tl.where(valid, is_changed(lw, log_hi, log_lo, CORRECTION), 0.0), 0)
             coef_sum += tl.sum(tl.where(valid, c, 0.0), 0)

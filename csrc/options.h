@@ -1,0 +1,52 @@
+// Generated from vcpo_kernels/options.py by `python tools/options_header.py > csrc/options.h`: edit
+// that file, not this one (tests/test_options.py checks that they agree).
+#pragma once
+
+#include <cstdint>
+
+namespace vcpo {
+
+enum class IsLevel : int64_t { Sequence = 0, Token = 1, Geometric = 2 };
+enum class IsCorrection : int64_t { Truncate = 0, Mask = 1, None = 2 };
+enum class LrRule : int64_t { None = 0, Sqrt = 1, Linear = 2 };
+enum class Advantage : int64_t { Opob = 0, Grpo = 1, Rloo = 2, Reinforce = 3, None = 4, Given = 5 };
+enum class OpobWeight : int64_t { Raw = 0, Truncated = 1, ReferenceCompat = 2 };
+enum class LossAgg : int64_t { TokenMean = 0, SeqMeanTokenMean = 1, SeqMeanTokenSum = 2, SeqMeanTokenSumNorm = 3 };
+
+enum Scalar : int64_t {
+  kEss = 0,
+  kEssRatio = 1,
+  kLrScale = 2,
+  kIsClipFraction = 3,
+  kMeanIsCoef = 4,
+  kKlK3 = 5,
+  kNumTokens = 6,
+  kNumSeqs = 7,
+  kNumNonfinite = 8,
+  kPpoClipFraction = 9,
+  kNumScalars = 10,
+};
+enum LossCode : int64_t {
+  kIsLevel = 0,
+  kIsCorrection = 1,
+  kEssOnCorrected = 2,
+  kLrRule = 3,
+  kAdvantage = 4,
+  kNormByStd = 5,
+  kOpobLengthNorm = 6,
+  kOpobWeight = 7,
+  kLossAgg = 8,
+  kNumLossCodes = 9,
+};
+enum LossValue : int64_t {
+  kLogThreshold = 0,
+  kLogThresholdLow = 1,
+  kEssBaseRatio = 2,
+  kClipLow = 3,
+  kClipHigh = 4,
+  kClipC = 5,
+  kNormLength = 6,
+  kNumLossValues = 7,
+};
+
+}  // namespace vcpo
