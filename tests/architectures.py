@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import time
 import warnings
 
 import torch
@@ -116,6 +117,9 @@ def check(model_type: str) -> tuple[str, str]:
         rb = batch(dtype)
         reference = copy.deepcopy(model)
         logp = _logp(model, rb)
+        if logp.dtype != dtype:  # logits cast to float32 by the model (Mamba's): float32 log-probs
+            dtype = logp.dtype
+            rb = batch(dtype)
     except Exception as err:  # noqa: BLE001 -- a config it rejects, a missing package, a model needing other inputs
         return "cannot be built", f"{type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''}"
     # float64 models still compute a few parts in float32 (Gemma's norms, MoE routers' softmax): their gradients,
@@ -124,7 +128,7 @@ def check(model_type: str) -> tuple[str, str]:
     tol = 1e-6 if dtype == torch.float64 else 1e-3
     params = [p for p in model.parameters() if p.requires_grad]
     per_seq = [torch.autograd.grad(logp[i].sum(), params, retain_graph=True, allow_unused=True) for i in range(B)]
-    want = torch.stack([sum(g.double().pow(2).sum() for g in gs if g is not None) for gs in per_seq]).detach()
+    want = torch.stack([sum(g.detach().double().pow(2).sum() for g in gs if g is not None) for gs in per_seq])
     try:
         with PerSequenceGradients(model, num_seqs=B, seq_len=T) as psg:
             psg.backward(_logp(model, rb).sum())
@@ -179,10 +183,12 @@ def main(argv) -> None:
     print(f"transformers {transformers.__version__}, {len(types)} architectures\n")
     print("| model_type | class | result | detail |\n|---|---|---|---|")
     for t in types:
+        start = time.perf_counter()
         try:
             result, detail = check(t)
         except Wrong as err:
             result, detail = "**WRONG**", str(err)[:150]
+        print(f"{t}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
         print(f"| {t} | {MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[t]} | {result} | {detail.replace('|', '/')} |", flush=True)
 
 

@@ -175,6 +175,7 @@ class _Call:
     outputs: list  # where each floating-point output's gradient arrives (see backward()), until it does
     values: list  # their detached values (replayed modules: the replay is checked against them)
     grads: list  # their gradients, None until (unless) one arrives
+    adopted: dict = field(default_factory=dict)  # relative name -> a descendant's parameter this call used itself
 
 
 @dataclass
@@ -182,7 +183,9 @@ class _Record:
     module: nn.Module
     name: str
     rule: str
+    path: str  # the module's name in the model ("" for the model itself)
     calls: list = field(default_factory=list)
+    adopted: dict = field(default_factory=dict)  # adopted by the call in progress
 
 
 class _ParameterWatch(TorchFunctionMode):
@@ -206,7 +209,7 @@ class _ParameterWatch(TorchFunctionMode):
         for a in (*args, *kwargs.values()):
             for t in (a if isinstance(a, (list, tuple)) else (a,)):
                 owners = psg._owners.get(id(t)) if isinstance(t, Tensor) else None
-                if owners and not any(psg._active[id(m)] for m in owners) and not psg._outside:
+                if owners and not any(psg._active[id(m)] for m in owners) and not psg._adopt(t):
                     psg._outside.append((psg._param_names[id(t)], name))
         return out
 
@@ -254,7 +257,8 @@ class PerSequenceGradients:
         self._owners: dict = {}  # id(param) -> the recorded modules that own it
         self._param_names: dict = {}  # id(param) -> its name in the model
         self._active: dict = defaultdict(int)  # id(module) -> calls of it in progress
-        self._outside: list = []  # (parameter, op): the first use seen outside its modules' forward
+        self._outside: list = []  # (parameter, op): uses seen outside their modules' forward, not adopted
+        self._stack: list = []  # the recorded modules whose forward is in progress, outermost first
         self._watch: Optional[_ParameterWatch] = None
 
     # -- recording ---------------------------------------------------------------------------------------
@@ -271,8 +275,11 @@ class PerSequenceGradients:
             rule = _rule(module)
             if rule == "embedding" and (module.scale_grad_by_freq or module.sparse):
                 raise UnsupportedModuleError(name, "an embedding with scale_grad_by_freq or sparse gradients")
-            record = _Record(module, name, rule)
+            record = _Record(module, name, rule, path=name if module is not self.model else "")
             self._records.append(record)
+            self._handles.append(module.register_forward_pre_hook(lambda m, a, rec=record: self._stack.append(rec)))
+            self._handles.append(module.register_forward_hook(lambda m, a, o: self._stack.pop() and None,
+                                                                always_call=True))
             self._handles.append(module.register_forward_hook(self._forward_hook(record), with_kwargs=True))
         # The recorded parameters are watched: a use outside the forward of every module owning it is refused.
         for rec in self._records:
@@ -320,6 +327,11 @@ class PerSequenceGradients:
 
     def _check_complete(self) -> None:
         """Refuse when a recorded parameter was used outside its modules' forward (its gradient is not seen)."""
+        for rec, call in self._uses():
+            for p in call.adopted.values():
+                if any(r.calls and any(r.module is m for m in self._owners[id(p)]) for r in self._records):
+                    raise UnsupportedModuleError(rec.name, f"the parameter {self._param_names[id(p)]!r} is used both "
+                                                           "by its module and directly by this one")
         if self._outside:
             param, op = self._outside[0]
             raise UnsupportedModuleError(param.rpartition(".")[0] or param, f"its parameter {param!r} is used by "
@@ -342,6 +354,19 @@ class PerSequenceGradients:
         for rec in self._records:
             rec.calls.clear()
 
+    def _adopt(self, p: Tensor) -> bool:
+        """A parameter used outside its module's forward but inside the forward of a recorded ancestor replayed
+        per sequence (Mamba's and Qwen3-Next's mixers use their conv1d's weight themselves) is replayed with that
+        ancestor's call: True when such an ancestor is running."""
+        name = self._param_names[id(p)]
+        for rec in reversed(self._stack):
+            if name.startswith(rec.path + "." if rec.path else ""):
+                if rec.rule != "generic":
+                    return False
+                rec.adopted[name[len(rec.path) + 1 if rec.path else 0:]] = p
+                return True
+        return False
+
     def _enter_hook(self, module, args):
         self._active[id(module)] += 1
 
@@ -350,9 +375,13 @@ class PerSequenceGradients:
 
     def _forward_hook(self, record: _Record):
         def hook(module, args, kwargs, output):
+            adopted, record.adopted = record.adopted, {}
             if self._replaying or not torch.is_grad_enabled():
                 return
             kind = record.rule
+            if adopted and kind != "generic":
+                raise UnsupportedModuleError(record.name, "a child's parameter is used in its forward and it is not "
+                                                          "replayed per sequence")
             if kind != "experts" and kind != "generic" and (kwargs or len(args) != 1 or not isinstance(output, Tensor)):
                 kind = "generic"  # the closed forms are for the plain one-argument call
             leaves, spec = tree_flatten(output)
@@ -381,7 +410,8 @@ class PerSequenceGradients:
             detach = lambda t: t.detach() if isinstance(t, Tensor) else t  # noqa: E731
             outs = [leaves[j] for j in slots]
             call = _Call(kind, tree_map(detach, tuple(args)), tree_map(detach, dict(kwargs)), [None] * len(outs),
-                         [o.detach() for o in outs] if kind in ("experts", "generic") else [], [None] * len(outs))
+                         [o.detach() for o in outs] if kind in ("experts", "generic") else [], [None] * len(outs),
+                         adopted)
             record.calls.append(call)
             for k, o in enumerate(outs):
                 if not o.requires_grad:
@@ -420,15 +450,15 @@ class PerSequenceGradients:
 
     def _per_seq(self, x: Tensor) -> Optional[int]:
         """Padded: the number of leading rows per sequence of x, or None when x is not laid out by sequence.
-        x is [B, ...]; with seq_len = T given, also [B T, d] or [B T] (tokens flattened batch-major, as MoE
-        layers see them). With B = T > 1 a 1-D x or 2-D floating-point x of leading dimension B is not taken as laid
+        x is [B, ...]; with seq_len = T given, also [B T k, d] or [B T k] (tokens, or tokens x heads, flattened
+        batch-major, as MoE layers see them). With B = T > 1 a 1-D x or 2-D floating-point x of leading dimension B is not taken as laid
         out by sequence: it may be a [T, d] tensor shared by all sequences, not one row each ([B, T] ids are)."""
         b, t = self.num_seqs, self.seq_len
         if x.dim() == 0 or b == 0:
             return None
         if x.dim() <= 2 and t is not None:
-            if x.shape[0] == b * t:
-                return t
+            if x.shape[0] % (b * t) == 0 and x.shape[0]:  # [B T, d], or [B T H, d] (per head: Qwen3-Next)
+                return x.shape[0] // b
             ambiguous = b == t > 1 and (x.dim() == 1 or x.is_floating_point())
             return 1 if x.shape[0] == b and not ambiguous else None
         return 1 if x.shape[0] == b else None
@@ -498,6 +528,12 @@ class PerSequenceGradients:
                     yield rec, call
 
     @staticmethod
+    def _call_params(rec: _Record, call: _Call) -> dict:
+        """{name relative to the module: trainable parameter} replayed for a call: its own and adopted ones."""
+        own = {n: p for n, p in rec.module.named_parameters(recurse=False) if p.requires_grad}
+        return {**own, **{n: p for n, p in call.adopted.items() if p.requires_grad}}
+
+    @staticmethod
     def _grad(call: _Call, k: int = 0) -> Tensor:
         g = call.grads[k]
         return g if g is not None else torch.zeros_like(call.values[k])
@@ -520,8 +556,9 @@ class PerSequenceGradients:
                 self._experts(rec, call, coefficients)
                 continue
             if call.kind == "generic":
+                params = self._call_params(rec, call)
                 for n, update in self._generic_weighted(rec, call, coefficients).items():
-                    _accumulate(getattr(m, n), update)
+                    _accumulate(params[n], update)
                 continue
             x, grad = call.args[0], call.grads[0]
             w = self._row_weights(coefficients, grad, rec.name)  # one weight per row
@@ -546,6 +583,7 @@ class PerSequenceGradients:
                     _accumulate(m.bias, w.to(g2.dtype) @ g2)
 
     # -- norms -----------------------------------------------------------------------------------------------
+    @torch.no_grad()  # (the vjp replays ignore it; the experts rule enables grad for its gate)
     def sq_norms(self) -> Tensor:
         """[B] float64: sum over trainable parameters of ||per-sequence gradient||^2, tied weights exact."""
         self._check_unfrozen()
@@ -558,6 +596,8 @@ class PerSequenceGradients:
                 kinds = [("embedding", m.weight)]
             elif call.kind in ("linear", "conv1d"):
                 kinds = [(call.kind, m.weight)] + ([("bias", m.bias)] if m.bias is not None else [])
+            elif call.kind == "generic":
+                kinds = [(call.kind, p) for p in self._call_params(rec, call).values()]
             else:
                 kinds = [(call.kind, p) for p in m.parameters(recurse=False)]
             for kind, p in kinds:
@@ -678,11 +718,11 @@ class PerSequenceGradients:
 
     # -- any other module: per-sequence replays ------------------------------------------------------------
     def _replayable(self, rec: _Record, call: _Call):
-        """(params, run, leaves, batched) to replay a module: run(params, inputs) calls it with the recorded
+        """(params, run, leaves, batched, live) to replay a module: run(params, inputs) calls it with the recorded
         arguments, the tensors at positions `batched` of the flattened arguments replaced by `inputs`, and returns
-        its floating-point outputs."""
+        its floating-point outputs that received a gradient, those at positions `live` of call.values."""
         m = rec.module
-        params = {n: p.detach() for n, p in m.named_parameters(recurse=False) if p.requires_grad}
+        params = {n: p.detach() for n, p in self._call_params(rec, call).items()}
         leaves, spec = tree_flatten((call.args, call.kwargs))
         if self.cu_seqlens is None:
             batched = [j for j, t in enumerate(leaves) if isinstance(t, Tensor) and self._per_seq(t) is not None]
@@ -695,10 +735,12 @@ class PerSequenceGradients:
                 full[j] = t
             args, kwargs = tree_unflatten(full, spec)
             # tie_weights=False: a parameter also owned by a child (BERT's decoder bias) is replaced only where this
-            # module uses it itself; the child's uses are its own record's
-            return tuple(_floats(torch.func.functional_call(m, ps, args, kwargs, tie_weights=False)))
+            # module uses it itself (or as an adopted child's parameter); the child's uses are its own record's
+            outs = _floats(torch.func.functional_call(m, ps, args, kwargs, tie_weights=False))
+            return tuple(outs[k] for k in live) if len(outs) == len(call.values) else tuple(outs)
 
-        return params, run, leaves, batched
+        live = [k for k, g in enumerate(call.grads) if g is not None]  # the others add nothing to the vjp
+        return params, run, leaves, batched, live
 
     def _per_seq_parts(self, x: Tensor, rec: _Record):
         """Padded: (x as [B, r, ...], vmap dim 0). Packed: (x with a unit dimension after the token one, so each
@@ -706,6 +748,8 @@ class PerSequenceGradients:
         if self.cu_seqlens is None:
             return self._seq_major(x, rec.name), 0
         d = self._token_dim(x)
+        if d is None:
+            raise UnsupportedModuleError(rec.name, f"it returned shape {tuple(x.shape)}, not laid out by packed token")
         return x.unsqueeze(d + 1), d
 
     def _generic_per_seq(self, rec: _Record, call: _Call) -> dict:
@@ -714,11 +758,10 @@ class PerSequenceGradients:
         separately), else in a loop over sequences; every replay must reproduce the module's recorded output."""
         from torch.func import vjp, vmap
 
-        m = rec.module
-        params, run, leaves, batched = self._replayable(rec, call)
-        cotangents = [self._grad(call, k) for k in range(len(call.values))]
+        params, run, leaves, batched, live = self._replayable(rec, call)
+        values, cotangents = [call.values[k] for k in live], [call.grads[k] for k in live]
         ins = [self._per_seq_parts(leaves[j], rec) for j in batched]
-        outs = [self._per_seq_parts(v, rec) for v in call.values]
+        outs = [self._per_seq_parts(v, rec) for v in values]
 
         def one(inputs, cots):
             replay, pullback = vjp(lambda ps: run(ps, inputs), params)
@@ -739,10 +782,11 @@ class PerSequenceGradients:
                 seq = self._token_seq(next(iter(grads.values())).device) if grads else None
                 grads = {n: g.new_zeros((self.num_seqs, *g.shape[1:])).index_add_(0, seq, g) for n, g in grads.items()}
             if not ok:
-                grads = self._generic_loop(rec, call, params, run, leaves, batched, cotangents)
+                grads = self._generic_loop(rec, params, run, leaves, batched, values, cotangents)
         finally:
             self._replaying = False
-        return {id(getattr(m, n)): g for n, g in grads.items()}
+        objs = self._call_params(rec, call)
+        return {id(objs[n]): g for n, g in grads.items()}
 
     def _slice(self, x: Tensor, i: int) -> Tensor:
         """Sequence i's part of a batched tensor, with x's rank."""
@@ -752,14 +796,18 @@ class PerSequenceGradients:
         start = sum(self._lengths[:i])
         return x.narrow(self._token_dim(x), start, self._lengths[i])
 
-    def _generic_loop(self, rec, call, params, run, leaves, batched, cotangents) -> dict:
+    def _generic_loop(self, rec, params, run, leaves, batched, values, cotangents) -> dict:
         from torch.func import vjp
 
         per = defaultdict(list)
         for i in range(self.num_seqs):
-            replay, pullback = vjp(lambda ps: run(ps, [self._slice(leaves[j], i) for j in batched]), params)
-            if len(replay) != len(call.values) or not all(
-                    _replay_matches(r, self._slice(v, i)) for r, v in zip(replay, call.values)):
+            try:
+                replay, pullback = vjp(lambda ps: run(ps, [self._slice(leaves[j], i) for j in batched]), params)
+            except Exception as err:  # e.g. a packed attention mask over all tokens, given one sequence's rows
+                raise UnsupportedModuleError(rec.name, f"replaying {type(rec.module).__name__} on one sequence "
+                                                       f"failed ({type(err).__name__}: {err})") from err
+            if len(replay) != len(values) or not all(
+                    _replay_matches(r, self._slice(v, i)) for r, v in zip(replay, values)):
                 raise UnsupportedModuleError(rec.name, f"{type(rec.module).__name__} replayed on one sequence does "
                                                        "not reproduce its output on the batch (it mixes sequences, is "
                                                        "random, e.g. dropout in train mode, or its inputs are not "
@@ -773,10 +821,10 @@ class PerSequenceGradients:
         gradient scaled by its sequence's coefficient."""
         from torch.func import vjp
 
-        params, run, leaves, batched = self._replayable(rec, call)
-        cots = []
-        for k in range(len(call.values)):
-            g = self._grad(call, k)
+        params, run, leaves, batched, live = self._replayable(rec, call)
+        values, cots = [call.values[k] for k in live], []
+        for k in live:
+            g = call.grads[k]
             c = coefficients.to(g.device, g.dtype)
             if self.cu_seqlens is None:  # [B r, ...]: r leading rows per sequence
                 self._seq_major(g, rec.name)
@@ -793,7 +841,7 @@ class PerSequenceGradients:
             self._replaying = False
         # an output broadcast to every row by the forward hook is replayed as the module's one shared row
         cots = [c.sum(0, keepdim=True) if r.shape[0] == 1 and c.shape[0] > 1 else c for r, c in zip(replay, cots)]
-        if not all(_replay_matches(r, v[:1] if r.shape[0] == 1 else v) for r, v in zip(replay, call.values)):
+        if not all(_replay_matches(r, v[:1] if r.shape[0] == 1 else v) for r, v in zip(replay, values)):
             raise UnsupportedModuleError(rec.name, "replaying it does not reproduce its output (random?)")
         return pullback(tuple(cots))[0]
 
