@@ -20,7 +20,8 @@ MAX_PARAMS = 2_000_000
 _SIZES = dict(
     vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
     num_key_value_heads=1, head_dim=8, max_position_embeddings=64, moe_intermediate_size=8, num_experts=4,
-    num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, shared_expert_intermediate_size=8,
+    num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+    shared_expert_intermediate_size=8,
     n_embd=16, n_layer=2, n_head=2, n_positions=64, d_model=16, n_layers=2, n_heads=2, d_ff=24, ffn_dim=24,
     decoder_layers=2, decoder_attention_heads=2, decoder_ffn_dim=24, num_layers=2, embed_dim=16, kv_lora_rank=8,
     q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, first_k_dense_replace=1, n_group=1,

@@ -9,6 +9,7 @@ import functools
 import inspect
 import warnings
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -307,19 +308,15 @@ class PerSequenceGradients:
             p.requires_grad_(True)
         self._frozen = []
 
+    @contextmanager
     def pause(self):
-        """Context manager: uses of recorded parameters inside it (e.g. an LM head computed by a fused op from
-        the head's weight) are not checked; the caller accounts for their part of the norms."""
-        psg = self
-
-        class _Pause:
-            def __enter__(self):
-                psg._paused = True
-
-            def __exit__(self, *exc):
-                psg._paused = False
-
-        return _Pause()
+        """Uses of recorded parameters inside this block (e.g. an LM head computed by a fused op from the head's
+        weight) are not checked; the caller accounts for their part of the norms."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
 
     def _check_unfrozen(self) -> None:
         if self._frozen:
@@ -451,8 +448,9 @@ class PerSequenceGradients:
     def _per_seq(self, x: Tensor) -> Optional[int]:
         """Padded: the number of leading rows per sequence of x, or None when x is not laid out by sequence.
         x is [B, ...]; with seq_len = T given, also [B T k, d] or [B T k] (tokens, or tokens x heads, flattened
-        batch-major, as MoE layers see them). With B = T > 1 a 1-D x or 2-D floating-point x of leading dimension B is not taken as laid
-        out by sequence: it may be a [T, d] tensor shared by all sequences, not one row each ([B, T] ids are)."""
+        batch-major, as MoE layers see them). With B = T > 1 a 1-D x or 2-D floating-point x of leading dimension
+        B is not taken as laid out by sequence: it may be a [T, d] tensor shared by all sequences, not one row
+        each ([B, T] ids are)."""
         b, t = self.num_seqs, self.seq_len
         if x.dim() == 0 or b == 0:
             return None
@@ -566,7 +564,8 @@ class PerSequenceGradients:
             if call.kind == "embedding":
                 g2 = g2 * _embedding_scale(m)
                 if m.weight.requires_grad:
-                    update = torch.zeros_like(m.weight).index_add_(0, x.reshape(-1), (g2 * w[:, None]).to(m.weight.dtype))
+                    update = torch.zeros_like(m.weight).index_add_(0, x.reshape(-1),
+                                                                   (g2 * w[:, None]).to(m.weight.dtype))
                     if m.padding_idx is not None:
                         update[m.padding_idx] = 0
                     _accumulate(m.weight, update)
@@ -700,7 +699,8 @@ class PerSequenceGradients:
         kind, rec, call = use
         m = rec.module
         if kind in ("linear", "conv1d"):
-            g = torch.bmm(_acc(self._rows(call.grads[0], rec.name)).transpose(1, 2), _acc(self._rows(call.args[0], rec.name)))
+            g = torch.bmm(_acc(self._rows(call.grads[0], rec.name)).transpose(1, 2),
+                          _acc(self._rows(call.args[0], rec.name)))
             return g.transpose(1, 2) if kind == "conv1d" else g
         if kind == "bias":
             return _acc(self._rows(call.grads[0], rec.name)).sum(1)
