@@ -180,6 +180,7 @@ def main(argv) -> None:
 
     import transformers
 
+    torch.set_num_threads(1)  # tiny tensors: threads only add contention (5x slower on a busy 2-core machine)
     types = argv or all_model_types()
     print(f"transformers {transformers.__version__}, {len(types)} architectures\n")
     print("| model_type | class | result | detail |\n|---|---|---|---|")

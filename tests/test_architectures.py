@@ -25,6 +25,15 @@ SUBSET = MUST_BE_EXACT + ["llama", "qwen3", "phi3", "gpt2", "bert", "bart", "opt
 SWEEP = architectures.all_model_types() if os.environ.get("VCPO_FULL_SWEEP") == "1" else SUBSET
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: threads only add contention (5x slower on a busy 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("model_type", SWEEP)
 def test_architecture_never_wrong(model_type):
     """Exact, or refused with an error naming the module, or not buildable here; never a wrong number

@@ -390,6 +390,26 @@ def test_refusals_name_the_module():
         psg.backward(net(ids).sum())
     with pytest.raises(UnsupportedModuleError, match="'mix'.*does not reproduce its output"):
         psg.sq_norms()
+
+    class InPlace(nn.Module):
+        """Modifies a linear layer's input after the call: with frozen parameters autograd keeps no copy to
+        complain about, and the kept input would no longer be what the layer saw."""
+
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(3, 3)
+
+        def forward(self, x):
+            h = torch.tanh(x)
+            y = self.a(h)
+            h.mul_(2.0)
+            return y + h
+
+    inplace = InPlace().double()
+    with PerSequenceGradients(inplace, num_seqs=2, freeze_parameters=True) as psg:
+        psg.backward(inplace(torch.randn(2, 4, 3, dtype=torch.float64)).sum())
+    with pytest.raises(UnsupportedModuleError, match="'a'.*modified in place"):
+        psg.sq_norms()
     for flags in (dict(scale_grad_by_freq=True), dict(sparse=True)):
         with pytest.raises(UnsupportedModuleError, match="'emb'.*scale_grad_by_freq"):
             with PerSequenceGradients(Net(nn.Embedding(5, 3, **flags)), num_seqs=2):

@@ -177,6 +177,7 @@ class _Call:
     values: list  # their detached values (replayed modules: the replay is checked against them)
     grads: list  # their gradients, None until (unless) one arrives
     adopted: dict = field(default_factory=dict)  # relative name -> a descendant's parameter this call used itself
+    versions: list = field(default_factory=list)  # (tensor, version) of the kept inputs and outputs
 
 
 @dataclass
@@ -409,6 +410,10 @@ class PerSequenceGradients:
             call = _Call(kind, tree_map(detach, tuple(args)), tree_map(detach, dict(kwargs)), [None] * len(outs),
                          [o.detach() for o in outs] if kind in ("experts", "generic") else [], [None] * len(outs),
                          adopted)
+            # A kept tensor the model later modifies in place (XLM masks its embeddings with *=) no longer holds
+            # what the module saw: checked before use (detached tensors share the version counter).
+            call.versions = [(t, t._version) for t in tree_flatten((call.args, call.kwargs, call.values))[0]
+                             if isinstance(t, Tensor)]
             record.calls.append(call)
             for k, o in enumerate(outs):
                 if not o.requires_grad:
@@ -523,6 +528,9 @@ class PerSequenceGradients:
         for rec in self._records:
             for call in rec.calls:
                 if any(g is not None for g in call.grads):
+                    if any(t._version != v for t, v in call.versions):
+                        raise UnsupportedModuleError(rec.name, "an input or output of it was modified in place after "
+                                                               "the call, so what it saw is no longer known")
                     yield rec, call
 
     @staticmethod
