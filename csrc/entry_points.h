@@ -1,14 +1,16 @@
-// Argument checks shared by the CPU and CUDA entry points. Python validates values and raises ValueError;
-// these keep memory access safe whatever a caller passes to the ops directly (validate=False, torch.ops).
+// What the CPU and CUDA entry points share: argument checks, the accumulation dtype and the dispatch over the
+// token dtypes. Python validates values and raises ValueError; these checks keep memory access safe whatever a
+// caller passes to the ops directly (validate=False, torch.ops).
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 
 #include <optional>
 
 namespace vcpo {
 
-// fp64 inputs accumulate in fp64, everything else in fp32.
+// The accumulation dtype of logp's dtype (acc_type.h): fp64 for fp64, fp32 for the others.
 inline at::ScalarType acc_dtype(at::ScalarType logp) { return logp == at::kDouble ? at::kDouble : at::kFloat; }
 
 // A kernel indexes every pointer of a call on one device: a tensor elsewhere (another GPU, the host) would be
@@ -35,6 +37,40 @@ inline void check_logits(const at::Tensor& logits, const at::Tensor& targets, co
   TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kDouble,
               "vcpo: logits must be float32 or float64");
   check_seq(targets, "targets", logits.size(0), at::kLong, device);
+}
+
+// The token tensors of the loss ops: logp [N] (fp32/fp64/bf16/fp16), behavior_logp and old_logp [N] in logp's
+// dtype or fp32, mask [N] bool, cu_seqlens [B + 1] int64, all on `device`.
+inline void check_token_inputs(const at::Tensor& logp, const at::Tensor& behavior,
+                               const std::optional<at::Tensor>& old, const std::optional<at::Tensor>& mask,
+                               const at::Tensor& cu_seqlens, const at::Device& device) {
+  check_tensor(logp, "logp", device);
+  check_tensor(behavior, "behavior_logp", device);
+  check_tensor(cu_seqlens, "cu_seqlens", device);
+  TORCH_CHECK(logp.dim() == 1, "vcpo: logp must be 1-D (packed)");
+  TORCH_CHECK(behavior.sizes() == logp.sizes(), "vcpo: behavior_logp must match logp");
+  TORCH_CHECK(behavior.scalar_type() == logp.scalar_type() || behavior.scalar_type() == at::kFloat,
+              "vcpo: behavior_logp must have logp's dtype or float32");
+  if (old) {
+    check_tensor(*old, "old_logp", device);
+    TORCH_CHECK(old->sizes() == logp.sizes(), "vcpo: old_logp must match logp");
+    TORCH_CHECK(old->scalar_type() == behavior.scalar_type(), "vcpo: old_logp must have behavior_logp's dtype");
+  }
+  check_seq(mask, "mask", logp.numel(), at::kBool, device);
+  TORCH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.numel() >= 1 && cu_seqlens.scalar_type() == at::kLong,
+              "vcpo: cu_seqlens must be a 1-D int64 tensor");
+}
+
+// Calls body(lp_t{}, ref_t{}) for logp's dtype and the dtype of behavior_logp (logp's own or float32).
+template <typename Body>
+void dispatch_logp(const at::Tensor& logp, const at::Tensor& behavior_logp, Body&& body) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logp.scalar_type(), "vcpo", [&] {
+    if (behavior_logp.scalar_type() == logp.scalar_type()) {
+      body(scalar_t{}, scalar_t{});
+    } else {
+      body(scalar_t{}, float{});
+    }
+  });
 }
 
 }  // namespace vcpo
