@@ -103,12 +103,12 @@ def _train(args: argparse.Namespace) -> int:
         cfg = resume_config(resume, **settings)
     else:
         cfg = make_config(load_file(config_file) if config_file else None, **settings)
-    from .trainer.pool import EngineUnavailable
+    from .trainer.pool import EngineUnavailable, WeightSyncError
     from .trainer.servers import ServerStartError
 
     try:
         summary = train(cfg, resume=resume is not None, progress=progress)
-    except (EngineUnavailable, ServerStartError) as e:
+    except (EngineUnavailable, WeightSyncError, ServerStartError) as e:
         print(f"vcpo train: error: {e}", file=sys.stderr)
         return 1
     final = summary["final_eval"]

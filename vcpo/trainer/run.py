@@ -402,12 +402,12 @@ def train(cfg: TrainConfig, *, resume: bool = False, log: Callable[[str], None] 
                 try:
                     batch = producer.take(step, should_stop=lambda: interrupt.requested)
                 except RuntimeError as e:
-                    if not isinstance(e.__cause__, EngineUnavailable):
+                    cause = e.__cause__
+                    if not isinstance(cause, (EngineUnavailable, WeightSyncError)):
                         raise
                     save_checkpoint()  # nothing generated and not consumed is lost; the rest is generated again
-                    raise EngineUnavailable(f"{e.__cause__}. Checkpoint written at step {step}: continue with "
-                                            f"`vcpo train --resume {run_dir}` and --engine-urls or --engine-servers"
-                                            ) from None
+                    raise type(cause)(f"{cause}. Checkpoint written at step {step}: continue with `vcpo train "
+                                      f"--resume {run_dir}` and --engine-urls or --engine-servers") from None
                 if batch is None:
                     break
                 t_train = time.perf_counter()
