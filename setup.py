@@ -1,6 +1,6 @@
-"""Builds the compiled backends of vcpo_kernels (docs/contract.md): the C++ CPU ops always, and their CUDA
-kernels (csrc/cuda/) too when the installed torch is a CUDA build and nvcc is found (CUDA_HOME), or when
-VCPO_BUILD_CUDA=1 (then a missing toolkit is an error); VCPO_BUILD_CUDA=0 builds the CPU ops alone."""
+"""Builds the compiled backends of vcpo_kernels (docs/contract.md) against the installed torch: the C++ CPU ops
+always, and their CUDA kernels (csrc/cuda/) too when that torch is a CUDA build and nvcc is found (CUDA_HOME), or
+when VCPO_BUILD_CUDA=1 (then a missing toolkit is an error); VCPO_BUILD_CUDA=0 builds the CPU ops alone."""
 import glob
 import os
 
@@ -9,6 +9,10 @@ from setuptools import setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The torch this build compiles against: vcpo_kernels refuses to load the extension beside another one
+# (vcpo_kernels/cpu/__init__.py), whose C++ symbols would not match.
+with open(os.path.join(HERE, "vcpo_kernels", "_build.py"), "w") as f:
+    f.write(f'"""Written by setup.py at build time."""\nTORCH_VERSION = {torch.__version__!r}\n')
 # Portable flags: the AVX2 loops are compiled in their own file and chosen at run time (csrc/cpu/dispatch.h).
 CXX_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-std=c++17"]
 NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo"]

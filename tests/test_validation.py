@@ -157,7 +157,7 @@ def test_config_errors():
 
 
 def test_every_kernel_refuses_a_tensor_on_another_device():
-    # The CPU kernels and the CUDA ones share these checks (csrc/checks.h): a tensor on another device than
+    # The CPU kernels and the CUDA ones share these checks (csrc/entry_points.h): a tensor on another device than
     # the op's would be indexed through a foreign pointer. Meta tensors stand in for the other device here.
     calls = vcpo_op_calls("cpu", "cpu")
     assert {op.__name__.split(".")[0] for op in calls} == {

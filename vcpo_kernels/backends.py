@@ -4,6 +4,7 @@ kernels are chosen for CUDA tensors only once they have been measured on a GPU (
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -13,8 +14,10 @@ try:
     from . import cpu as _cpu
 
     _CPU_ERROR = None
-except ImportError as exc:  # the C++ extension was not built
+except ImportError as exc:  # not built, or built against another torch
     _cpu, _CPU_ERROR = None, str(exc)
+    warnings.warn(f"vcpo_kernels: the compiled ops are unavailable, backend='auto' runs the PyTorch reference: "
+                  f"{exc}", stacklevel=2)
 
 BACKENDS = ("auto", "torch", "cpu", "triton", "cuda")
 

@@ -11,6 +11,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "acc_type.h"
 #include "options.h"
 
 #define VCPO_INLINE inline __attribute__((always_inline))
@@ -20,9 +21,6 @@ namespace vcpo {
 template <typename T>
 constexpr T kInf = std::numeric_limits<T>::infinity();
 
-// Accumulation type: fp64 inputs accumulate in fp64, everything else in fp32.
-template <typename T>
-using acc_type = typename std::conditional<std::is_same<T, double>::value, double, float>::type;
 
 // All-ones or all-zeros integer of the accumulation type's width: the mask as a bit pattern.
 template <typename acc_t>

@@ -8,7 +8,7 @@
 #include <cmath>
 #include <optional>
 
-#include "checks.h"
+#include "entry_points.h"
 #include "policy_loss.h"
 
 namespace vcpo {
@@ -30,41 +30,14 @@ void check_groups(const OptTensor& group_index, int64_t num_groups) {
 
 TokenView token_view(const Tensor& logp, const Tensor& behavior_logp, const OptTensor& old_logp,
                      const OptTensor& mask, const Tensor& cu_seqlens) {
-  check_tensor(logp, "logp", kCpu);
-  check_tensor(behavior_logp, "behavior_logp", kCpu);
-  check_tensor(cu_seqlens, "cu_seqlens", kCpu);
-  TORCH_CHECK(logp.dim() == 1, "vcpo: logp must be 1-D (packed)");
+  check_token_inputs(logp, behavior_logp, old_logp, mask, cu_seqlens, kCpu);
   const int64_t n = logp.numel();
-  TORCH_CHECK(behavior_logp.sizes() == logp.sizes(), "vcpo: behavior_logp must match logp");
-  TORCH_CHECK(behavior_logp.scalar_type() == logp.scalar_type() || behavior_logp.scalar_type() == at::kFloat,
-              "vcpo: behavior_logp must have logp's dtype or float32");
-  if (old_logp) {
-    check_tensor(*old_logp, "old_logp", kCpu);
-    TORCH_CHECK(old_logp->sizes() == logp.sizes(), "vcpo: old_logp must match logp");
-    TORCH_CHECK(old_logp->scalar_type() == behavior_logp.scalar_type(),
-                "vcpo: old_logp must have behavior_logp's dtype");
-  }
-  check_seq(mask, "mask", n, at::kBool, kCpu);
-  TORCH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.numel() >= 1 && cu_seqlens.scalar_type() == at::kLong,
-              "vcpo: cu_seqlens must be a 1-D int64 tensor");
   const int64_t* cu = cu_seqlens.data_ptr<int64_t>();
   const int64_t b = cu_seqlens.numel() - 1;
   TORCH_CHECK(cu[0] == 0 && cu[b] == n, "vcpo: cu_seqlens must start at 0 and end at ", n);
   for (int64_t i = 0; i < b; ++i) TORCH_CHECK(cu[i] <= cu[i + 1], "vcpo: cu_seqlens must be non-decreasing");
   return TokenView{logp.data_ptr(), behavior_logp.data_ptr(), old_logp ? old_logp->data_ptr() : nullptr,
                    mask ? mask->data_ptr<bool>() : nullptr, cu, b};
-}
-
-// Calls body(lp_t{}, ref_t{}) for logp's dtype and the dtype of behavior_logp (logp's own or float32).
-template <typename Body>
-void dispatch_logp(const Tensor& logp, const Tensor& behavior_logp, Body&& body) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logp.scalar_type(), "vcpo", [&] {
-    if (behavior_logp.scalar_type() == logp.scalar_type()) {
-      body(scalar_t{}, scalar_t{});
-    } else {
-      body(scalar_t{}, float{});
-    }
-  });
 }
 
 template <typename acc_t>

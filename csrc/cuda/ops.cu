@@ -12,7 +12,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include "checks.h"
+#include "acc_type.h"
+#include "entry_points.h"
 #include "loss_options.h"
 
 #include <cmath>
@@ -30,8 +31,6 @@ constexpr int kWarps = kThreads / 32;
 constexpr double kInf = INFINITY;
 
 
-template <typename T>
-using acc_of = typename std::conditional<std::is_same<T, double>::value, double, float>::type;
 
 template <typename acc_t, typename T>
 __device__ __forceinline__ acc_t ld(const T* p, int64_t i) {
@@ -687,22 +686,7 @@ at::Device cuda_device_of(const Tensor& anchor, const char* name) {
 
 Tokens token_view(const Tensor& logp, const Tensor& behavior, const OptTensor& old, const OptTensor& mask,
                   const Tensor& cu, const Tensor& chunk_end) {
-  const at::Device device = cuda_device_of(logp, "logp");
-  check_tensor(logp, "logp", device);
-  check_tensor(behavior, "behavior_logp", device);
-  check_tensor(cu, "cu_seqlens", device);
-  TORCH_CHECK(logp.dim() == 1, "vcpo: logp must be 1-D (packed)");
-  TORCH_CHECK(behavior.sizes() == logp.sizes(), "vcpo: behavior_logp must match logp");
-  TORCH_CHECK(behavior.scalar_type() == logp.scalar_type() || behavior.scalar_type() == at::kFloat,
-              "vcpo: behavior_logp must have logp's dtype or float32");
-  if (old) {
-    check_tensor(*old, "old_logp", device);
-    TORCH_CHECK(old->sizes() == logp.sizes() && old->scalar_type() == behavior.scalar_type(),
-                "vcpo: old_logp must match behavior_logp's shape and dtype");
-  }
-  check_seq(mask, "mask", logp.numel(), at::kBool, device);
-  TORCH_CHECK(cu.dim() == 1 && cu.numel() >= 1 && cu.scalar_type() == at::kLong,
-              "vcpo: cu_seqlens must be a 1-D int64 tensor");
+  check_token_inputs(logp, behavior, old, mask, cu, cuda_device_of(logp, "logp"));
   // Vector loads need each array to start on a multiple of its pack: 16 bytes of logp, as many tokens of the others.
   const int64_t vec = 16 / logp.element_size();
   auto on = [](const Tensor& x, int64_t bytes) { return reinterpret_cast<uintptr_t>(x.data_ptr()) % bytes == 0; };
@@ -713,21 +697,12 @@ Tokens token_view(const Tensor& logp, const Tensor& behavior, const OptTensor& o
                 cu.numel() - 1, logp.numel(), aligned};
 }
 
-// Calls body(lp_t{}, ref_t{}) for logp's dtype and behavior_logp's (logp's own or float32).
-template <typename Body>
-void dispatch_logp(const Tensor& logp, const Tensor& behavior, Body&& body) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logp.scalar_type(), "vcpo_cuda", [&] {
-    if (behavior.scalar_type() == logp.scalar_type()) body(scalar_t{}, scalar_t{});
-    else body(scalar_t{}, float{});
-  });
-}
-
 int64_t blocks_for(int64_t n) { return (n + kThreads - 1) / kThreads; }
 
 // [3, B] (s, L, k3) and the chunk plan.
 template <typename lp_t, typename ref_t>
 Tensor sequence_sums(const Tokens& t, int64_t grid, const at::TensorOptions& opts) {
-  using acc_t = acc_of<lp_t>;
+  using acc_t = acc_type<lp_t>;
   auto stream = at::cuda::getCurrentCUDAStream();
   Tensor partials = at::zeros({std::max<int64_t>(grid, 1), 3}, opts);
   if (grid > 0 && t.num_seqs > 0) {
@@ -829,7 +804,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> policy_loss_cuda(
   dispatch_logp(logp, behavior_logp, [&](auto lp, auto ref) {
     using lp_t = decltype(lp);
     using ref_t = decltype(ref);
-    using acc_t = acc_of<lp_t>;
+    using acc_t = acc_type<lp_t>;
     const Tensor sums = sequence_sums<lp_t, ref_t>(t, grid, opts);
     seq_log_weight = sums[0];
     const Tensor length = sums[1].contiguous(), kl = sums[2].contiguous(), s = seq_log_weight.contiguous();
@@ -884,7 +859,7 @@ Tensor policy_loss_backward_cuda(const Tensor& grad_loss, const Tensor& logp, co
   dispatch_logp(logp, behavior_logp, [&](auto lp, auto ref) {
     using lp_t = decltype(lp);
     using ref_t = decltype(ref);
-    using acc_t = acc_of<lp_t>;
+    using acc_t = acc_type<lp_t>;
     token_pass_kernel<true, lp_t, ref_t, acc_t><<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
         t, p, advantages_in.data_ptr<acc_t>(), grad_scale.data_ptr<acc_t>(), g.data_ptr<acc_t>(), nullptr,
         grad.data_ptr<lp_t>());
