@@ -1,5 +1,9 @@
 """Bad input raises ValueError naming the argument, on every backend."""
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -164,3 +168,26 @@ def test_every_kernel_refuses_a_tensor_on_another_device():
         "sequence_stats", "effective_sample_size", "opob_baseline", "policy_loss", "policy_loss_backward",
         "logit_rows_forward", "logit_rows_backward"}
     assert assert_refuses_other_devices(calls, "cpu", "meta") >= 30
+
+
+def test_an_extension_built_for_another_torch_is_refused_by_name():
+    # A stale build beside a new torch must not load (its symbols would not match): a warning and an error
+    # naming both versions and the rebuild command, and backend="auto" falls back to the reference.
+    code = textwrap.dedent("""
+        import sys, types, warnings
+        sys.modules["vcpo_kernels._build"] = types.SimpleNamespace(TORCH_VERSION="2.0.0")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import torch, vcpo_kernels as vk
+        assert any("built against torch 2.0.0" in str(w.message) for w in caught), [str(w.message) for w in caught]
+        assert "cpu" not in vk.available_backends("cpu")
+        try:
+            vk.policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), rewards=torch.zeros(2), backend="cpu")
+        except ValueError as exc:
+            assert "2.0.0" in str(exc) and torch.__version__ in str(exc) and "--no-build-isolation" in str(exc)
+        else:
+            raise AssertionError("backend='cpu' ran a mismatched extension")
+        print("refused")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "refused" in out.stdout, out.stderr[-2000:]
