@@ -182,6 +182,7 @@ class _Call:
     grads: list  # their gradients, None until (unless) one arrives
     adopted: dict = field(default_factory=dict)  # relative name -> a descendant's parameter this call used itself
     versions: list = field(default_factory=list)  # (tensor, version) of the kept inputs and outputs
+    terms: Optional[list] = None  # experts: the per-expert terms, shared by the norms and the assembly
 
 
 @dataclass
@@ -563,7 +564,7 @@ class PerSequenceGradients:
         for rec, call in self._uses():
             m = rec.module
             if call.kind == "experts":
-                self._experts(rec, call, coefficients)
+                self._experts_assemble(rec, call, coefficients)
                 continue
             if call.kind == "generic":
                 params = self._call_params(rec, call)
@@ -628,7 +629,7 @@ class PerSequenceGradients:
                     raise UnsupportedModuleError(rec.name, "experts weights used by more than one call")
                 if id(call) not in experts_done:
                     experts_done.add(id(call))
-                    total += self._experts(rec, call).double()
+                    total += self._experts_sq_norms(rec, call)
             elif len(use_list) == 1 and kind == "bias":
                 total += self._single_use_norm(use_list[0]).double()
             elif all(u[0] in ("linear", "conv1d", "embedding") for u in use_list):
@@ -858,15 +859,17 @@ class PerSequenceGradients:
         return pullback(tuple(cots))[0]
 
     # -- mixture-of-experts layers --------------------------------------------------------------------------
-    def _experts(self, rec: _Record, call: _Call, coefficients: Optional[Tensor] = None) -> Optional[Tensor]:
-        """A transformers experts module: with no coefficients, [B] per-sequence squared norms of all its
-        weights; with coefficients, accumulates sum_i c_i g_i into their .grad.
+    def _expert_terms(self, rec: _Record, call: _Call) -> list:
+        """A transformers experts module's per-expert terms, formed once per call: [(e, seq, parts)] with parts
+        [(weight, dz, input rows, bias)] for its two projections over the (token, expert) pairs routed to e, and
+        seq the sequence of each pair.
 
         Token t routed to expert e with weight r: z1 = W1[e] x + b1[e], a = gate(z1), z2 = W2[e] a + b2[e],
         out_t += r z2. So dW2[e] = sum dz2 a^T with dz2 = r dout_t, and dW1[e] = sum dz1 x^T with dz1 the
-        gate's vjp of da = W2[e]^T dz2: each expert is two linear layers over the (sequence, token) pairs routed
-        to it, with ghost or materialised norms per expert and sequence. The replayed output must match the
-        module's."""
+        gate's vjp of da = W2[e]^T dz2: each expert is two linear layers over its pairs. The output recomputed
+        from these terms must match the module's."""
+        if call.terms is not None:
+            return call.terms
         m = rec.module
         if getattr(m, "_is_expert_parallel", False):
             raise UnsupportedModuleError(rec.name, "expert-parallel experts")
@@ -891,8 +894,7 @@ class PerSequenceGradients:
         token = torch.arange(n, device=x.device).repeat_interleave(k)
         route = _acc(weight).reshape(-1)
         replay = torch.zeros_like(x)
-        total = torch.zeros(self.num_seqs, dtype=x.dtype, device=x.device)
-        start = 0
+        terms, start = [], 0
         for e, count in enumerate(counts):
             if count == 0:
                 continue
@@ -911,31 +913,40 @@ class PerSequenceGradients:
             replay.index_add_(0, tok, z2 * r)
             dz2 = dout[tok] * r
             (dz1,) = torch.autograd.grad(a_graph, z1, dz2 @ W2)
-            seq = seq_of_token[tok]
-            parts = [(w1, dz1, xe, b1), (w2, dz2, a, b2)]
-            if coefficients is not None:
-                c = coefficients.to(x.device, x.dtype)[seq, None]
-                for w, dz, inp, bias in parts:
-                    if w.requires_grad:
-                        gw = (dz * c).T @ inp
-                        w.grad = torch.zeros_like(w) if w.grad is None else w.grad
-                        w.grad[e] += (gw.T if transposed else gw).to(w.dtype)
-                    if bias is not None and bias.requires_grad:
-                        bias.grad = torch.zeros_like(bias) if bias.grad is None else bias.grad
-                        bias.grad[e] += (c * dz).sum(0).to(bias.dtype)
-                continue
+            terms.append((e, seq_of_token[tok], [(w1, dz1, xe, b1), (w2, dz2, a, b2)]))
+        if not _replay_matches(replay, call.values[0], call):
+            raise UnsupportedModuleError(rec.name, f"{type(m).__name__} computes something other than the standard "
+                                                   "routed experts (gate/up, activation, down, routing weight)")
+        call.terms = terms
+        return terms
+
+    def _experts_sq_norms(self, rec: _Record, call: _Call) -> Tensor:
+        """[B]: per-sequence squared norms of an experts module's weights, per expert ghost or materialised."""
+        total = torch.zeros(self.num_seqs, dtype=torch.float64, device=call.values[0].device)
+        for _, seq, parts in self._expert_terms(rec, call):
             # rows of each sequence's pairs, zero-padded: [B, L, d] with L the most pairs a sequence sent here
             per = torch.bincount(seq, minlength=self.num_seqs)
-            pos = torch.arange(count, device=x.device) - (torch.cumsum(per, 0) - per)[seq]
+            pos = torch.arange(seq.numel(), device=seq.device) - (torch.cumsum(per, 0) - per)[seq]
             length = int(per.max())
             for w, dz, inp, bias in parts:
                 if w.requires_grad:
                     rows_a = inp.new_zeros(self.num_seqs, length, inp.shape[1]).index_put_((seq, pos), inp)
                     rows_b = dz.new_zeros(self.num_seqs, length, dz.shape[1]).index_put_((seq, pos), dz)
-                    total += _linear_sq_norms(rows_a, rows_b, self.ghost)
+                    total += _linear_sq_norms(rows_a, rows_b, self.ghost).double()
                 if bias is not None and bias.requires_grad:
-                    total += dz.new_zeros(self.num_seqs, dz.shape[1]).index_add_(0, seq, dz).pow(2).sum(1)
-        if not _replay_matches(replay, call.values[0], call):
-            raise UnsupportedModuleError(rec.name, f"{type(m).__name__} computes something other than the standard "
-                                                   "routed experts (gate/up, activation, down, routing weight)")
-        return total if coefficients is None else None
+                    total += dz.new_zeros(self.num_seqs, dz.shape[1]).index_add_(0, seq, dz).pow(2).sum(1).double()
+        return total
+
+    def _experts_assemble(self, rec: _Record, call: _Call, coefficients: Tensor) -> None:
+        """sum_i c_i g_i into an experts module's weights: (c dz)^T x per expert."""
+        transposed = rec.module.is_transposed
+        for e, seq, parts in self._expert_terms(rec, call):
+            for w, dz, inp, bias in parts:
+                c = coefficients.to(dz.device, dz.dtype)[seq, None]
+                if w.requires_grad:
+                    gw = (dz * c).T @ inp
+                    w.grad = torch.zeros_like(w) if w.grad is None else w.grad
+                    w.grad[e] += (gw.T if transposed else gw).to(w.dtype)
+                if bias is not None and bias.requires_grad:
+                    bias.grad = torch.zeros_like(bias) if bias.grad is None else bias.grad
+                    bias.grad[e] += (c * dz).sum(0).to(bias.dtype)
