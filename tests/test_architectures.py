@@ -172,3 +172,20 @@ def test_auto_falls_back_to_the_head_norm_with_one_warning():
     assert auto["grad_sq_norm_mean"] == pytest.approx(exact["grad_sq_norm_mean"], rel=1e-12)
     for p, q in zip(supported.parameters(), copy_.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_gemma_fused_lm_head_matches_the_checked_step():
+    """Gemma's head is tied to its scaled embedding: the fused head's cross term uses the scaled embedding
+    gradient. Its step must equal the unfused step, which test_architecture_never_wrong checks against the
+    brute-force loop."""
+    model, dtype = architectures.build("gemma")
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    rb = architectures.batch(dtype)
+    fused = copy.deepcopy(model)
+    options = dict(ess_base_ratio=1.0, backend="torch", grad_clip=None)
+    want = vcpo.step(model, torch.optim.SGD(model.parameters(), lr=1e-2), rb, vcpo.VCPOConfig(**options))
+    got = vcpo.step(fused, torch.optim.SGD(fused.parameters(), lr=1e-2), rb,
+                    vcpo.VCPOConfig(fused_lm_head=True, **options))
+    assert got["grad_sq_norm_mean"] == pytest.approx(want["grad_sq_norm_mean"], rel=1e-10)
+    for p, q in zip(fused.parameters(), model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12)
