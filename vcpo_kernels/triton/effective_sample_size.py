@@ -12,7 +12,7 @@ BLOCK_SEQS = 1024
 
 
 @triton.jit
-def lr_from_ratio(ratio, base, RULE: tl.constexpr):
+def ess_lr_scale(ratio, base, RULE: tl.constexpr):
     """min(1, ratio / base) ** (1/2 | 1 | 0); 0 for a NaN ratio (skip the step, never a full lr)."""
     x = tl.minimum(ratio / base, 1.0)
     if RULE == RULE_SQRT:
@@ -56,7 +56,7 @@ def ess_of(lw_ptr, len_ptr, n, log_hi, base, HAS_LEN: tl.constexpr, TRUNCATE: tl
         s2 += tl.sum(e * e, 0)
     ess = tl.where(count > 0, s1 * s1 / s2, 0.0)
     ratio = tl.where(count > 0, ess / tl.maximum(count, 1.0), 0.0)
-    return ess, ratio, lr_from_ratio(ratio, base, RULE)
+    return ess, ratio, ess_lr_scale(ratio, base, RULE)
 
 
 @triton.jit

@@ -1,0 +1,164 @@
+// Group baselines and advantages of every estimator: one block per group over its own members, fp64. Part of the
+// "cuda" backend (ops.cu: the entry points; docs/contract.md: the math).
+#pragma once
+
+#include "common.cuh"
+
+namespace vcpo {
+namespace {
+
+struct Groups {
+  const void* rewards;
+  const void* length;        // nullptr: every sequence valid
+  const int64_t* group;      // nullptr: one group
+  int64_t num_seqs, num_groups;
+  // OPOB weights: log W = 2 w(s) + log G (- 2 log L), w(s) = s | min(s, log C) | s + min(s, log C)
+  const void* log_weight;    // nullptr: not OPOB
+  const void* grad_sq_norm;  // nullptr: G = 1
+  bool length_norm;
+  OpobWeight weight;
+  double log_hi;
+  // Group grp's members are order[start[grp]:start[grp + 1]] (from members_by_group; nullptr: one group).
+  const int64_t* order;
+  const int64_t* start;
+};
+
+// Sequences sorted by group, stably (members keep their order), and where each group's run starts: each
+// group's block then reads its own members only, O(B) in all instead of O(groups x B). A device sort and
+// search: no host sync, deterministic. Out-of-range (unvalidated) indices sort outside every run.
+std::pair<Tensor, Tensor> members_by_group(const Tensor& group_index, int64_t num_groups) {
+  const auto [sorted, order] = at::sort(group_index, /*stable=*/true);
+  const Tensor start = at::searchsorted(sorted, at::arange(num_groups + 1, group_index.options()));
+  return {order.contiguous(), start.contiguous()};
+}
+
+template <typename acc_t>
+__device__ __forceinline__ bool valid(const Groups& g, int64_t i) {
+  return g.length == nullptr || static_cast<const acc_t*>(g.length)[i] > 0;
+}
+
+template <typename acc_t>
+__device__ __forceinline__ double opob_log_w(const Groups& g, int64_t i) {
+  const double s = static_cast<const acc_t*>(g.log_weight)[i];
+  const double trunc = s > g.log_hi ? g.log_hi : s;
+  const double w = g.weight == OpobWeight::Truncated ? trunc : g.weight == OpobWeight::ReferenceCompat ? s + trunc : s;
+  double lw = 2.0 * w;
+  if (g.grad_sq_norm) lw += log(static_cast<double>(static_cast<const acc_t*>(g.grad_sq_norm)[i]));
+  if (g.length_norm) lw -= 2.0 * log(static_cast<double>(static_cast<const acc_t*>(g.length)[i]));
+  return lw;
+}
+
+// stats[:, g] = (count, mean, population variance, baseline) of group g's valid members: one block per group,
+// reading its members only.
+template <typename acc_t>
+__global__ void group_stats_kernel(Groups g, double* stats) {
+  const int64_t grp = blockIdx.x;
+  const int64_t begin = g.start ? g.start[grp] : 0, end = g.start ? g.start[grp + 1] : g.num_seqs;
+  const acc_t* r = static_cast<const acc_t*>(g.rewards);
+  double count = 0, total = 0;
+  for (int64_t k = begin + threadIdx.x; k < end; k += blockDim.x) {
+    const int64_t i = g.order ? g.order[k] : k;
+    if (!valid<acc_t>(g, i)) continue;
+    count += 1;
+    total += r[i];
+  }
+  count = block_reduce(count);
+  total = block_reduce(total);
+  const double mean = count > 0 ? total / count : 0.0;
+  double sq = 0, shift = -kInf;
+  for (int64_t k = begin + threadIdx.x; k < end; k += blockDim.x) {
+    const int64_t i = g.order ? g.order[k] : k;
+    if (!valid<acc_t>(g, i)) continue;
+    const double d = r[i] - mean;
+    sq += d * d;
+    if (g.log_weight) {
+      const double lw = opob_log_w<acc_t>(g, i);
+      shift = (lw > shift || lw != lw) ? lw : shift;
+    }
+  }
+  sq = block_reduce(sq);
+  double baseline = mean;
+  if (g.log_weight) {
+    shift = block_reduce<double, true>(shift);
+    const double safe = finite(shift) ? shift : 0.0;  // NaN/+inf propagate
+    double sum_w = 0, sum_wd = 0;
+    for (int64_t k = begin + threadIdx.x; k < end; k += blockDim.x) {
+      const int64_t i = g.order ? g.order[k] : k;
+      if (!valid<acc_t>(g, i)) continue;
+      const double w = exp(opob_log_w<acc_t>(g, i) - safe);
+      sum_w += w;
+      sum_wd += w * (r[i] - mean);
+    }
+    sum_w = block_reduce(sum_w);
+    sum_wd = block_reduce(sum_wd);
+    // b = mean + sum W (R - mean) / sum W: exact for one member or equal rewards; every W = 0: the mean
+    baseline = shift == -kInf ? mean : mean + sum_wd / sum_w;
+  }
+  if (threadIdx.x == 0) {
+    stats[grp] = count;
+    stats[g.num_groups + grp] = mean;
+    stats[2 * g.num_groups + grp] = count > 0 ? sq / count : 0.0;
+    stats[3 * g.num_groups + grp] = baseline;
+  }
+}
+
+template <typename acc_t>
+__global__ void advantages_kernel(Groups g, const double* stats, Advantage kind, bool norm_by_std, acc_t* adv) {
+  const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (i >= g.num_seqs) return;
+  if (g.length && !(static_cast<const acc_t*>(g.length)[i] > 0)) {
+    adv[i] = 0;
+    return;
+  }
+  int64_t grp = g.group ? g.group[i] : 0;
+  grp = grp >= 0 && grp < g.num_groups ? grp : 0;  // an unvalidated bad index must not read out of bounds
+  const double n = stats[grp], mean = stats[g.num_groups + grp], var = stats[2 * g.num_groups + grp];
+  const double b = stats[3 * g.num_groups + grp], r = static_cast<const acc_t*>(g.rewards)[i];
+  double a = r;
+  if (kind == Advantage::Opob) {
+    a = r - b;
+    const double sigma = sqrt(var);
+    if (norm_by_std && sigma > 1e-8) a /= sigma;
+  } else if (kind == Advantage::Grpo) {
+    a = r - mean;
+    if (norm_by_std) a /= (n > 1 ? sqrt(var * n / (n - 1)) : 0.0) + 1e-6;
+  } else if (kind == Advantage::Rloo) {
+    a = n > 1 ? (r - mean) * n / (n - 1) : 0.0;
+  } else if (kind == Advantage::Reinforce) {
+    a = r - mean;  // the stats are of the whole batch, one group
+  }
+  adv[i] = static_cast<acc_t>(a);
+}
+
+// (baseline [num_groups], advantages [B]) in acc_t of the given estimator.
+template <typename acc_t>
+std::pair<Tensor, Tensor> advantages(Groups g, const OptTensor& group_index, Advantage kind, bool norm_by_std,
+                                     const at::TensorOptions& opts) {
+  const int64_t num_groups = g.num_groups;
+  Tensor order, start;
+  if (kind == Advantage::Reinforce) {  // one batch-wide baseline
+    g.group = nullptr;
+    g.num_groups = 1;
+  } else if (group_index) {
+    std::tie(order, start) = members_by_group(*group_index, num_groups);
+    g.order = order.data_ptr<int64_t>();
+    g.start = start.data_ptr<int64_t>();
+  }
+  if (kind != Advantage::Opob) g.log_weight = nullptr;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  Tensor stats = at::empty({4, g.num_groups}, opts.dtype(at::kDouble));
+  group_stats_kernel<acc_t><<<g.num_groups, kThreads, 0, stream>>>(g, stats.data_ptr<double>());
+  Tensor adv = at::empty({g.num_seqs}, opts);
+  if (g.num_seqs > 0) {
+    advantages_kernel<acc_t><<<(g.num_seqs + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
+        g, stats.data_ptr<double>(), kind, norm_by_std, adv.data_ptr<acc_t>());
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  Tensor baseline = kind == Advantage::None        ? at::zeros({num_groups}, opts)
+                    : kind == Advantage::Reinforce ? stats[3].expand({num_groups}).to(opts.dtype()).contiguous()
+                                                   : stats[3].to(opts.dtype());
+  return {baseline, adv};
+}
+
+}  // namespace
+}  // namespace vcpo

@@ -1,0 +1,173 @@
+// The fused loss: the batch step (ESS, a_i c_i), the token pass (forward partials and backward gradient) and the last
+// block that writes the loss and the statistics. Part of the "cuda" backend (ops.cu: the entry points;
+// docs/contract.md: the math).
+#pragma once
+
+#include "common.cuh"
+#include "effective_sample_size.cuh"
+
+namespace vcpo {
+namespace {
+
+using Params = LossParams<double>;  // cast to acc_t where read
+
+template <typename acc_t>
+__device__ __forceinline__ acc_t is_coef(acc_t lw, const Params& p) {
+  if (p.correction == IsCorrection::Truncate) return exp(lw > acc_t(p.log_hi) ? acc_t(p.log_hi) : lw);
+  if (p.correction == IsCorrection::Mask) return (lw >= acc_t(p.log_lo) && lw <= acc_t(p.log_hi)) ? acc_t(1) : acc_t(0);
+  return acc_t(1);
+}
+
+template <typename acc_t>
+__device__ __forceinline__ acc_t is_changed(acc_t lw, const Params& p) {
+  const bool out = p.correction == IsCorrection::Truncate ? lw > acc_t(p.log_hi)
+                   : p.correction == IsCorrection::Mask   ? !(lw >= acc_t(p.log_lo) && lw <= acc_t(p.log_hi))
+                                             : false;
+  return out ? acc_t(1) : acc_t(0);
+}
+
+// work[]: num_tokens, num_seqs, kl sum, non-finite count, ess, ratio, lr, sequence-level changed and coef sums
+enum : int { kWTokens = 0, kWSeqs, kWKl, kWNonfinite, kWEss, kWRatio, kWLr, kWChanged, kWCoef, kNumWork };
+
+template <typename acc_t>
+__global__ void batch_step_kernel(const acc_t* s, const acc_t* length, const acc_t* kl, int64_t n, Params p,
+                                  bool ess_on_corrected, double base, LrRule rule, LossAgg agg, double norm_length,
+                                  acc_t* grad_scale, double* work) {
+  double tokens = 0, seqs = 0, kl_sum = 0, nonfinite = 0;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    if (!(length[i] > 0)) continue;
+    tokens += length[i];
+    seqs += 1;
+    kl_sum += kl[i];
+    nonfinite += finite(s[i]) ? 0.0 : 1.0;
+  }
+  tokens = block_reduce(tokens);
+  seqs = block_reduce(seqs);
+  kl_sum = block_reduce(kl_sum);
+  nonfinite = block_reduce(nonfinite);
+  double ess[3];
+  ess_of(s, length, n, ess_on_corrected, p.log_hi, base, rule, ess);
+  double changed = 0, coef = 0;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const double len = length[i];
+    if (!(len > 0)) {
+      grad_scale[i] = 0;
+      continue;
+    }
+    const double a = agg == LossAgg::TokenMean           ? 1.0 / tokens
+                     : agg == LossAgg::SeqMeanTokenMean ? 1.0 / (seqs * len)
+                     : agg == LossAgg::SeqMeanTokenSum  ? 1.0 / seqs
+                                                : 1.0 / (seqs * norm_length);
+    acc_t c = 1;
+    if (p.level != IsLevel::Token) {
+      const acc_t lw = p.level == IsLevel::Geometric ? s[i] / static_cast<acc_t>(len) : s[i];
+      c = is_coef(lw, p);
+      changed += is_changed(lw, p);
+      coef += c;
+    }
+    grad_scale[i] = static_cast<acc_t>(a * c);
+  }
+  changed = block_reduce(changed);
+  coef = block_reduce(coef);
+  if (threadIdx.x == 0) {
+    const double w[kNumWork] = {tokens, seqs, kl_sum, nonfinite, ess[0], ess[1], ess[2], changed, coef};
+    for (int j = 0; j < kNumWork; ++j) work[j] = w[j];
+  }
+}
+
+// One chunk of tokens. Forward (WriteGrad false): partial sums of c p(r) (times grad_scale), changed units, c
+// and clipped tokens. Backward: grad[t] = g grad_scale c (d p / d r) r, exactly 0 where the token does not
+// count or its unit was removed (c = 0), even where r or A are not finite.
+template <bool WriteGrad, typename lp_t, typename ref_t, typename acc_t>
+__global__ void token_pass_kernel(Tokens t, Params p, const acc_t* adv_in, const acc_t* grad_scale,
+                                  const acc_t* grad_loss, acc_t* partials, lp_t* grad) {
+  const Span sp = chunk_span(t, blockIdx.x);
+  if (sp.seq >= t.num_seqs) return;
+  const acc_t adv = adv_in[sp.seq];
+  const acc_t gs = grad_scale[sp.seq] * (WriteGrad ? *grad_loss : acc_t(1));
+  const bool token_level = p.level == IsLevel::Token, has_old = t.old != nullptr;
+  acc_t loss = 0, changed = 0, coef_sum = 0, clipped = 0;
+  visit_tokens<lp_t, ref_t, acc_t>(t, sp.first, sp.last, WriteGrad ? grad : nullptr,
+                                   [&](int64_t, bool counted, acc_t cur, acc_t mu, acc_t prox) {
+    if (!counted) return acc_t(0);
+    acc_t c = 1;
+    if (token_level) {
+      const acc_t d = prox - mu;
+      c = is_coef(d, p);
+      changed += is_changed(d, p);
+      coef_sum += c;
+    }
+    const bool dropped = c == acc_t(0) || gs == acc_t(0);
+    const acc_t r = has_old ? exp(dropped ? acc_t(0) : cur - prox) : acc_t(1);
+    const acc_t p1 = -adv * r;
+    acc_t val = p1, dval = -adv;
+    bool on_clip = false;
+    if (p.clip) {
+      const acc_t rc = r < acc_t(p.ratio_lo) ? acc_t(p.ratio_lo) : (r > acc_t(p.ratio_hi) ? acc_t(p.ratio_hi) : r);
+      const acc_t p2 = -adv * rc;
+      const bool take_unclipped = p1 >= p2;  // ties go to the unclipped branch
+      val = take_unclipped ? p1 : p2;
+      dval = take_unclipped ? dval : acc_t(0);
+      on_clip = !take_unclipped;
+      const acc_t limit = -adv * acc_t(p.dual_c);
+      const bool take_dual = p.dual_clip && adv < 0 && !(val <= limit);
+      val = take_dual ? limit : val;
+      dval = take_dual ? acc_t(0) : dval;
+      on_clip = on_clip || take_dual;
+    }
+    clipped += on_clip ? acc_t(1) : acc_t(0);
+    if (dropped) return acc_t(0);
+    loss += c * val;
+    return gs * c * dval * r;
+  });
+  if (WriteGrad) return;
+  loss = block_reduce(loss);
+  changed = block_reduce(changed);
+  coef_sum = block_reduce(coef_sum);
+  clipped = block_reduce(clipped);
+  if (threadIdx.x == 0) {
+    partials[blockIdx.x * 4] = gs != acc_t(0) ? gs * loss : acc_t(0);
+    partials[blockIdx.x * 4 + 1] = changed;
+    partials[blockIdx.x * 4 + 2] = coef_sum;
+    partials[blockIdx.x * 4 + 3] = clipped;
+  }
+}
+
+// The loss and the statistics (docs/contract.md, "Statistics"): from the chunk partials, or, when the token
+// terms are constant within each sequence, from -sum_i grad_scale_i A_i L_i.
+template <typename acc_t>
+__global__ void finish_kernel(const acc_t* partials, int64_t num_parts, const double* work, const acc_t* grad_scale,
+                              const acc_t* adv, const acc_t* length, int64_t n, bool token_pass, bool token_level,
+                              acc_t* loss_out, acc_t* scalars) {
+  double loss = 0, changed = 0, coef = 0, clipped = 0;
+  if (token_pass) {
+    for (int64_t j = threadIdx.x; j < num_parts; j += blockDim.x) {
+      loss += partials[j * 4];
+      changed += partials[j * 4 + 1];
+      coef += partials[j * 4 + 2];
+      clipped += partials[j * 4 + 3];
+    }
+  } else {
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+      if (length[i] > 0 && grad_scale[i] != acc_t(0)) loss -= static_cast<double>(grad_scale[i]) * adv[i] * length[i];
+    }
+  }
+  loss = block_reduce(loss);
+  changed = block_reduce(changed);
+  coef = block_reduce(coef);
+  clipped = block_reduce(clipped);
+  if (threadIdx.x != 0) return;
+  const double tokens = work[kWTokens], seqs = work[kWSeqs];
+  const double units = token_level ? tokens : seqs;
+  const double unit_changed = token_level ? changed : work[kWChanged];
+  const double unit_coef = token_level ? coef : work[kWCoef];
+  const double out[kNumScalars] = {work[kWEss], work[kWRatio], work[kWLr],
+                                   units > 0 ? unit_changed / units : 0.0, units > 0 ? unit_coef / units : 0.0,
+                                   tokens > 0 ? work[kWKl] / tokens : 0.0, tokens, seqs, work[kWNonfinite],
+                                   tokens > 0 ? clipped / tokens : 0.0};
+  *loss_out = static_cast<acc_t>(loss);
+  for (int j = 0; j < kNumScalars; ++j) scalars[j] = static_cast<acc_t>(out[j]);
+}
+
+}  // namespace
+}  // namespace vcpo
