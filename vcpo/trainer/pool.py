@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
+import httpx
 import torch
 
 from .engine import Completion, unique_tensors
@@ -39,7 +40,6 @@ class WeightSyncError(RuntimeError):
 def check_reachable(urls: Sequence[str], setting: str = "engine_urls", timeout: float = 5.0) -> None:
     """Every URL answers /health with 200 within `timeout` seconds (checked at once, before the slow start-up
     work); else ValueError naming `setting` and the URLs that did not."""
-    import httpx
 
     async def health(client, url: str) -> Optional[str]:
         try:
@@ -89,13 +89,10 @@ class ServerPool:
                  retries: int = 3, backoff: float = 0.5, log: Callable[[str], None] = print) -> None:
         if weight_swap not in WEIGHT_SWAPS:
             raise ValueError(f"weight_swap must be one of {list(WEIGHT_SWAPS)}, got {weight_swap!r}")
-        import httpx
-
         self.servers = [Server(u.rstrip("/")) for u in urls]
         self.weights_dir, self.weight_swap, self.timeout = weights_dir, weight_swap, timeout
         self.retries, self.backoff, self.log = retries, backoff, log
         self.stats = PoolStats()
-        self._httpx = httpx
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vcpo-pool", daemon=True)
         self._thread.start()
@@ -103,9 +100,8 @@ class ServerPool:
 
     async def _make_client(self, count: int):
         # read timeout = a whole generation (or a paused server's drain); connecting must be quick
-        return self._httpx.AsyncClient(timeout=self._httpx.Timeout(self.timeout, connect=5.0),
-                                       limits=self._httpx.Limits(max_connections=256 * count,
-                                                                 max_keepalive_connections=64 * count))
+        return httpx.AsyncClient(timeout=httpx.Timeout(self.timeout, connect=5.0),
+                                 limits=httpx.Limits(max_connections=256 * count, max_keepalive_connections=64 * count))
 
     def _call(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -121,11 +117,9 @@ class ServerPool:
     def check(self, *, setting: str, probe_text: str, probe_ids: list[int], max_model_len: int) -> None:
         """Each server is reachable (within seconds), serves a model with the trainer's tokenizer and a long
         enough context, and has the endpoints the pool needs; else ValueError naming `setting` and the URL."""
-        self._call(_all(*(self._check(s, setting, probe_text, probe_ids, max_model_len)
-                                    for s in self.servers)))
+        self._call(_all(*(self._check(s, setting, probe_text, probe_ids, max_model_len) for s in self.servers)))
 
     async def _check(self, s: Server, setting: str, probe_text: str, probe_ids: list[int], max_len: int) -> None:
-        httpx = self._httpx
         try:
             health = await self._client.get(s.url + "/health", timeout=5.0)
             models = (await self._client.get(s.url + "/v1/models", timeout=10.0)).json()["data"][0]
@@ -189,7 +183,6 @@ class ServerPool:
             return [_completion(c, server.url) for c in choices]
 
     async def _post_generate(self, server: Server, body: dict, work: int) -> dict:
-        httpx = self._httpx
         server.outstanding += work
         call = asyncio.ensure_future(self._client.post(server.url + "/inference/v1/generate", json=body))
         server.inflight.add(call)
@@ -221,7 +214,7 @@ class ServerPool:
     async def _healthy(self, server: Server) -> bool:
         try:
             return (await self._client.get(server.url + "/health", timeout=3.0)).status_code == 200
-        except self._httpx.HTTPError:
+        except httpx.HTTPError:
             return False
 
     def _mark_down(self, server: Server, reason: str) -> None:
@@ -263,7 +256,7 @@ class ServerPool:
                 await self._control(s, "/update_weight_version", {"new_version": str(version)})
             finally:
                 await self._control(s, "/resume")
-        except self._httpx.TransportError as e:
+        except httpx.TransportError as e:
             if not await self._healthy(s):  # it died: it would serve old weights; the others carry on
                 self._mark_down(s, f"weight sync failed: {type(e).__name__}: {e}")
                 return
