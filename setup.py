@@ -9,10 +9,6 @@ from setuptools import setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# The torch this build compiles against: vcpo_kernels refuses to load the extension beside another one
-# (vcpo_kernels/cpu/__init__.py), whose C++ symbols would not match.
-with open(os.path.join(HERE, "vcpo_kernels", "_build.py"), "w") as f:
-    f.write(f'"""Written by setup.py at build time."""\nTORCH_VERSION = {torch.__version__!r}\n')
 # Portable flags: the AVX2 loops are compiled in their own file and chosen at run time (csrc/cpu/dispatch.h).
 CXX_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-std=c++17"]
 NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo"]
@@ -51,4 +47,15 @@ else:
         extra_link_args=["-fopenmp"],
     )
 
-setup(ext_modules=[extension], cmdclass={"build_ext": BuildExtension})
+class BuildWithTorchVersion(BuildExtension):
+    """Writes, beside the built extension, the torch it was compiled against: vcpo_kernels refuses to load the
+    extension beside another one (vcpo_kernels/cpu/__init__.py), whose C++ symbols would not match."""
+
+    def run(self):
+        super().run()
+        path = os.path.join(os.path.dirname(self.get_ext_fullpath(extension.name)), "_build.py")
+        with open(path, "w") as f:
+            f.write(f'"""Written by setup.py at build time."""\nTORCH_VERSION = {torch.__version__!r}\n')
+
+
+setup(ext_modules=[extension], cmdclass={"build_ext": BuildWithTorchVersion})

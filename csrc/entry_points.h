@@ -7,6 +7,7 @@
 #include <ATen/Dispatch.h>
 
 #include <optional>
+#include <utility>
 
 namespace vcpo {
 
@@ -59,6 +60,72 @@ inline void check_token_inputs(const at::Tensor& logp, const at::Tensor& behavio
   check_seq(mask, "mask", logp.numel(), at::kBool, device);
   TORCH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.numel() >= 1 && cu_seqlens.scalar_type() == at::kLong,
               "vcpo: cu_seqlens must be a 1-D int64 tensor");
+}
+
+// The inputs of effective_sample_size: log_weight [B] fp32/fp64 and seq_length [B] of its dtype.
+inline void check_log_weight(const at::Tensor& log_weight, const std::optional<at::Tensor>& seq_length,
+                             const at::Device& device) {
+  check_tensor(log_weight, "log_weight", device);
+  TORCH_CHECK(log_weight.dim() == 1, "vcpo: log_weight must be 1-D");
+  TORCH_CHECK(log_weight.scalar_type() == at::kFloat || log_weight.scalar_type() == at::kDouble,
+              "vcpo: log_weight must be float32 or float64");
+  check_seq(seq_length, "seq_length", log_weight.numel(), log_weight.scalar_type(), device);
+}
+
+// The inputs of opob_baseline besides log_weight and seq_length: [B] tensors of log_weight's dtype, int64 groups.
+inline void check_baseline_inputs(const at::Tensor& rewards, const at::Tensor& log_weight,
+                                  const std::optional<at::Tensor>& grad_sq_norm,
+                                  const std::optional<at::Tensor>& group_index,
+                                  const std::optional<at::Tensor>& seq_length, int64_t num_groups, bool length_norm,
+                                  const at::Device& device) {
+  check_log_weight(log_weight, seq_length, device);
+  const int64_t b = log_weight.numel();
+  check_seq(rewards, "rewards", b, log_weight.scalar_type(), device);
+  check_seq(grad_sq_norm, "grad_sq_norm", b, log_weight.scalar_type(), device);
+  check_seq(group_index, "group_index", b, at::kLong, device);
+  TORCH_CHECK(num_groups >= 1, "vcpo: num_groups must be >= 1");
+  TORCH_CHECK(!length_norm || seq_length, "vcpo: length_norm needs seq_length");
+}
+
+// The per-sequence inputs of the fused loss: exactly one of rewards and advantages, [B] in the accumulation dtype.
+inline void check_sequence_inputs(const std::optional<at::Tensor>& rewards, const std::optional<at::Tensor>& advantages,
+                                  const std::optional<at::Tensor>& grad_sq_norm,
+                                  const std::optional<at::Tensor>& group_index, int64_t num_groups, int64_t b,
+                                  at::ScalarType acc, const at::Device& device) {
+  TORCH_CHECK(rewards.has_value() != advantages.has_value(), "vcpo: pass exactly one of rewards, advantages");
+  check_seq(rewards, "rewards", b, acc, device);
+  check_seq(advantages, "advantages", b, acc, device);
+  check_seq(grad_sq_norm, "grad_sq_norm", b, acc, device);
+  check_seq(group_index, "group_index", b, at::kLong, device);
+  TORCH_CHECK(num_groups >= 1, "vcpo: num_groups must be >= 1");
+}
+
+// What the loss's backward adds to its token inputs: the scalar upstream gradient and the forward's [B] outputs.
+inline void check_backward_inputs(const at::Tensor& grad_loss, const at::Tensor& grad_scale,
+                                  const at::Tensor& advantages, int64_t b, at::ScalarType acc,
+                                  const at::Device& device) {
+  TORCH_CHECK(grad_loss.numel() == 1, "vcpo: grad_loss must be a scalar");
+  check_seq(grad_scale, "grad_scale", b, acc, device);
+  check_seq(advantages, "advantages", b, acc, device);
+}
+
+// The inputs of logit_rows_backward: logits and targets, and [n] row statistics and upstream gradients.
+inline void check_logit_rows_backward(const at::Tensor& logits, const at::Tensor& lse, const at::Tensor& targets,
+                                      const std::optional<at::Tensor>& g_logp,
+                                      const std::optional<at::Tensor>& g_entropy,
+                                      const std::optional<at::Tensor>& g_sum_p2,
+                                      const std::optional<at::Tensor>& entropy,
+                                      const std::optional<at::Tensor>& sum_p2, const at::Device& device) {
+  check_logits(logits, targets, device);
+  const int64_t n = logits.size(0);
+  const auto dtype = logits.scalar_type();
+  check_seq(lse, "lse", n, dtype, device);
+  for (const auto& [t, name] : {std::pair{&g_logp, "g_logp"}, {&g_entropy, "g_entropy"}, {&g_sum_p2, "g_sum_p2"},
+                                {&entropy, "entropy"}, {&sum_p2, "sum_p2"}}) {
+    check_seq(*t, name, n, dtype, device);
+  }
+  TORCH_CHECK(!g_entropy || entropy, "vcpo: g_entropy needs the forward's entropy");
+  TORCH_CHECK(!g_sum_p2 || sum_p2, "vcpo: g_sum_p2 needs the forward's sum_p2");
 }
 
 // Calls body(lp_t{}, ref_t{}) for logp's dtype and the dtype of behavior_logp (logp's own or float32).

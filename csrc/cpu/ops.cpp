@@ -19,8 +19,8 @@ using OptTensor = std::optional<Tensor>;
 
 const at::Device kCpu(at::kCPU);  // where every tensor of a call to these kernels must be
 
+// Group indices in range: a read of CPU memory (the CUDA kernels clip indices instead, without a host sync).
 void check_groups(const OptTensor& group_index, int64_t num_groups) {
-  TORCH_CHECK(num_groups >= 1, "vcpo: num_groups must be >= 1");
   if (!group_index) return;
   const int64_t* g = group_index->data_ptr<int64_t>();
   for (int64_t i = 0; i < group_index->numel(); ++i) {
@@ -64,12 +64,8 @@ std::tuple<Tensor, Tensor, Tensor> sequence_stats_cpu(const Tensor& logp, const 
 
 std::tuple<Tensor, Tensor, Tensor> effective_sample_size_cpu(const Tensor& log_weight, const OptTensor& seq_length,
                                                              double ess_base_ratio, int64_t lr_rule) {
-  check_tensor(log_weight, "log_weight", kCpu);
-  TORCH_CHECK(log_weight.dim() == 1, "vcpo: log_weight must be 1-D");
-  TORCH_CHECK(log_weight.scalar_type() == at::kFloat || log_weight.scalar_type() == at::kDouble,
-              "vcpo: log_weight must be float32 or float64");
+  check_log_weight(log_weight, seq_length, kCpu);
   const int64_t b = log_weight.numel();
-  check_seq(seq_length, "seq_length", b, log_weight.scalar_type(), kCpu);
   Tensor ess = at::empty({}, log_weight.options()), ratio = at::empty({}, log_weight.options()),
          lr = at::empty({}, log_weight.options());
   AT_DISPATCH_FLOATING_TYPES(log_weight.scalar_type(), "vcpo_ess", [&] {
@@ -87,15 +83,10 @@ std::tuple<Tensor, Tensor> opob_baseline_cpu(const Tensor& rewards, const Tensor
                                              const OptTensor& grad_sq_norm, const OptTensor& group_index,
                                              const OptTensor& seq_length, int64_t num_groups, bool length_norm,
                                              bool norm_by_std) {
-  check_tensor(log_weight, "log_weight", kCpu);
+  check_baseline_inputs(rewards, log_weight, grad_sq_norm, group_index, seq_length, num_groups, length_norm, kCpu);
+  check_groups(group_index, num_groups);
   const int64_t b = log_weight.numel();
   const auto dtype = log_weight.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble, "vcpo: log_weight must be float32 or float64");
-  check_seq(rewards, "rewards", b, dtype, kCpu);
-  check_seq(grad_sq_norm, "grad_sq_norm", b, dtype, kCpu);
-  check_seq(group_index, "group_index", b, at::kLong, kCpu);
-  check_seq(seq_length, "seq_length", b, dtype, kCpu);
-  check_groups(group_index, num_groups);
   Tensor length = seq_length ? *seq_length : at::ones({b}, log_weight.options());
   Tensor baseline = at::empty({num_groups}, log_weight.options()), adv = at::empty({b}, log_weight.options());
   AT_DISPATCH_FLOATING_TYPES(dtype, "vcpo_opob", [&] {
@@ -114,11 +105,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> policy_loss_cpu(
   const TokenView v = token_view(logp, behavior_logp, old_logp, mask, cu_seqlens);
   const int64_t b = v.num_seqs;
   const auto acc = acc_dtype(logp.scalar_type());
-  TORCH_CHECK(rewards.has_value() != advantages.has_value(), "vcpo: pass exactly one of rewards, advantages");
-  check_seq(rewards, "rewards", b, acc, kCpu);
-  check_seq(advantages, "advantages", b, acc, kCpu);
-  check_seq(grad_sq_norm, "grad_sq_norm", b, acc, kCpu);
-  check_seq(group_index, "group_index", b, at::kLong, kCpu);
+  check_sequence_inputs(rewards, advantages, grad_sq_norm, group_index, num_groups, b, acc, kCpu);
   check_groups(group_index, num_groups);
   const auto opts = logp.options().dtype(acc);
   Tensor loss = at::empty({}, opts), scalars = at::empty({kNumScalars}, opts), baseline = at::empty({num_groups}, opts),
@@ -146,9 +133,7 @@ Tensor policy_loss_backward_cpu(const Tensor& grad_loss, const Tensor& logp, con
                                 c10::ArrayRef<double> values) {
   const TokenView v = token_view(logp, behavior_logp, old_logp, mask, cu_seqlens);
   const auto acc = acc_dtype(logp.scalar_type());
-  check_seq(grad_scale, "grad_scale", v.num_seqs, acc, kCpu);
-  check_seq(advantages, "advantages", v.num_seqs, acc, kCpu);
-  TORCH_CHECK(grad_loss.numel() == 1, "vcpo: grad_loss must be a scalar");
+  check_backward_inputs(grad_loss, grad_scale, advantages, v.num_seqs, acc, kCpu);
   const double g = grad_loss.item<double>();  // a CPU tensor: no device sync
   Tensor grad = at::empty_like(logp);
   dispatch_logp(logp, behavior_logp, [&](auto lp, auto ref) {
@@ -195,16 +180,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> logit_rows_forward_cpu(const Tensor& 
 void logit_rows_backward_cpu(const Tensor& logits, const Tensor& lse, const Tensor& targets, int64_t ignore_index,
                              const OptTensor& g_logp, const OptTensor& g_entropy, const OptTensor& g_sum_p2,
                              const OptTensor& entropy, const OptTensor& sum_p2, double scale) {
-  check_logits(logits, targets, kCpu);
+  check_logit_rows_backward(logits, lse, targets, g_logp, g_entropy, g_sum_p2, entropy, sum_p2, kCpu);
   const int64_t n = logits.size(0);
   const auto dtype = logits.scalar_type();
-  check_seq(lse, "lse", n, dtype, kCpu);
-  for (const auto& [t, name] : {std::pair{&g_logp, "g_logp"}, {&g_entropy, "g_entropy"}, {&g_sum_p2, "g_sum_p2"},
-                                {&entropy, "entropy"}, {&sum_p2, "sum_p2"}}) {
-    check_seq(*t, name, n, dtype, kCpu);
-  }
-  TORCH_CHECK(!g_entropy || entropy, "vcpo: g_entropy needs the forward's entropy");
-  TORCH_CHECK(!g_sum_p2 || sum_p2, "vcpo: g_sum_p2 needs the forward's sum_p2");
   AT_DISPATCH_FLOATING_TYPES(dtype, "vcpo_logit_rows_backward", [&] {
     const auto rows = logit_rows<scalar_t>(logits, targets, ignore_index);
     const RowGrads<scalar_t> g{lse.data_ptr<scalar_t>(),     opt_ptr<scalar_t>(g_logp),  opt_ptr<scalar_t>(g_entropy),

@@ -77,11 +77,8 @@ std::tuple<Tensor, Tensor, Tensor> effective_sample_size_cuda(const Tensor& log_
                                                               double ess_base_ratio, int64_t lr_rule) {
   const at::Device device = cuda_device_of(log_weight, "log_weight");
   const c10::cuda::CUDAGuard guard(device);
-  check_tensor(log_weight, "log_weight", device);
-  TORCH_CHECK(log_weight.dim() == 1, "vcpo: log_weight must be 1-D");
+  check_log_weight(log_weight, seq_length, device);
   const auto dtype = log_weight.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble, "vcpo: log_weight must be float32 or float64");
-  check_seq(seq_length, "seq_length", log_weight.numel(), dtype, device);
   Tensor out = at::empty({3}, log_weight.options());
   AT_DISPATCH_FLOATING_TYPES(dtype, "vcpo_ess_cuda", [&] {
     ess_kernel<scalar_t><<<1, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
@@ -98,16 +95,9 @@ std::tuple<Tensor, Tensor> opob_baseline_cuda(const Tensor& rewards, const Tenso
                                               bool norm_by_std) {
   const at::Device device = cuda_device_of(log_weight, "log_weight");
   const c10::cuda::CUDAGuard guard(device);
-  check_tensor(log_weight, "log_weight", device);
+  check_baseline_inputs(rewards, log_weight, grad_sq_norm, group_index, seq_length, num_groups, length_norm, device);
   const int64_t b = log_weight.numel();
   const auto dtype = log_weight.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble, "vcpo: log_weight must be float32 or float64");
-  TORCH_CHECK(num_groups >= 1, "vcpo: num_groups must be >= 1");
-  check_seq(rewards, "rewards", b, dtype, device);
-  check_seq(grad_sq_norm, "grad_sq_norm", b, dtype, device);
-  check_seq(group_index, "group_index", b, at::kLong, device);
-  check_seq(seq_length, "seq_length", b, dtype, device);
-  TORCH_CHECK(!length_norm || seq_length, "vcpo: length_norm needs seq_length");
   std::pair<Tensor, Tensor> out;
   AT_DISPATCH_FLOATING_TYPES(dtype, "vcpo_opob_cuda", [&] {
     const Groups g{rewards.data_ptr(), seq_length ? seq_length->data_ptr() : nullptr,
@@ -130,12 +120,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> policy_loss_cuda(
   const Tokens t = token_view(logp, behavior_logp, old_logp, mask, cu_seqlens, chunk_end);
   const int64_t b = t.num_seqs;
   const auto acc = acc_dtype(logp.scalar_type());
-  TORCH_CHECK(rewards.has_value() != advantages_in.has_value(), "vcpo: pass exactly one of rewards, advantages");
-  TORCH_CHECK(num_groups >= 1, "vcpo: num_groups must be >= 1");
-  check_seq(rewards, "rewards", b, acc, device);
-  check_seq(advantages_in, "advantages", b, acc, device);
-  check_seq(grad_sq_norm, "grad_sq_norm", b, acc, device);
-  check_seq(group_index, "group_index", b, at::kLong, device);
+  check_sequence_inputs(rewards, advantages_in, grad_sq_norm, group_index, num_groups, b, acc, device);
   const auto opts = logp.options().dtype(acc);
   const LossOptions o = unpack_loss_options(codes, values, advantages_in.has_value());
   const Params p = loss_params<double>(o);
@@ -188,9 +173,7 @@ Tensor policy_loss_backward_cuda(const Tensor& grad_loss, const Tensor& logp, co
   const int64_t grid = grid_size;  // a plain variable: lambdas capture it (C++17)
   const Tokens t = token_view(logp, behavior_logp, old_logp, mask, cu_seqlens, chunk_end);
   const auto acc = acc_dtype(logp.scalar_type());
-  check_seq(grad_scale, "grad_scale", t.num_seqs, acc, device);
-  check_seq(advantages_in, "advantages", t.num_seqs, acc, device);
-  TORCH_CHECK(grad_loss.numel() == 1, "vcpo: grad_loss must be a scalar");
+  check_backward_inputs(grad_loss, grad_scale, advantages_in, t.num_seqs, acc, device);
   const Tensor g = grad_loss.to(logp.device(), acc).reshape({1}).contiguous();  // read on the device: no sync
   const Params p = loss_params<double>(unpack_loss_options(codes, values, true));
   // Every token lies in a chunk of valid offsets, so each element is written; unvalidated bad offsets leave
@@ -239,17 +222,9 @@ void logit_rows_backward_cuda(const Tensor& logits, const Tensor& lse, const Ten
                               const OptTensor& entropy, const OptTensor& sum_p2, double scale) {
   const at::Device device = cuda_device_of(logits, "logits");
   const c10::cuda::CUDAGuard guard(device);
-  check_logits(logits, targets, device);
+  check_logit_rows_backward(logits, lse, targets, g_logp, g_entropy, g_sum_p2, entropy, sum_p2, device);
   const int64_t n = logits.size(0);
   const auto dtype = logits.scalar_type();
-  check_seq(lse, "lse", n, dtype, device);
-  check_seq(g_logp, "g_logp", n, dtype, device);
-  check_seq(g_entropy, "g_entropy", n, dtype, device);
-  check_seq(g_sum_p2, "g_sum_p2", n, dtype, device);
-  check_seq(entropy, "entropy", n, dtype, device);
-  check_seq(sum_p2, "sum_p2", n, dtype, device);
-  TORCH_CHECK(!g_entropy || entropy, "vcpo: g_entropy needs the forward's entropy");
-  TORCH_CHECK(!g_sum_p2 || sum_p2, "vcpo: g_sum_p2 needs the forward's sum_p2");
   if (n == 0) return;
   AT_DISPATCH_FLOATING_TYPES(dtype, "vcpo_logit_rows_backward_cuda", [&] {
     auto ptr = [](const OptTensor& t) { return t ? t->data_ptr<scalar_t>() : nullptr; };
