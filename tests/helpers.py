@@ -96,3 +96,20 @@ def assert_refuses_other_devices(calls: dict, kernel_device: str, other_device: 
                 op.redispatch(keys, *moved)
             checked += 1
     return checked
+
+
+def packed_lm_inputs(lengths: torch.Tensor, vocab: int):
+    """(cu_seqlens, input ids [1, N], position ids restarting per sequence, a float64 block-diagonal causal
+    4-D attention mask, which tokens are predicted) for sequences of `lengths` packed into one row."""
+    cu = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    cu[1:] = lengths.cumsum(0)
+    n = int(cu[-1])
+    ids = torch.randint(1, vocab, (1, n))
+    seg = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    pos = torch.cat([torch.arange(int(k)) for k in lengths]).unsqueeze(0)
+    allowed = (seg[:, None] == seg[None, :]) & (torch.arange(n)[:, None] >= torch.arange(n)[None, :])
+    mask = torch.zeros(n, n, dtype=torch.float64).masked_fill(~allowed, torch.finfo(torch.float64).min)[None, None]
+    # token t is predicted from position t - 1 of the same sequence: the first token of each sequence has none
+    predicted = torch.ones(n, dtype=torch.bool)
+    predicted[cu[:-1]] = False
+    return cu, ids, pos, mask, predicted

@@ -17,6 +17,7 @@ from vcpo.grad_norms import PerSequenceGradients, UnsupportedModuleError
 transformers = pytest.importorskip("transformers")
 
 import architectures  # noqa: E402  (tests/architectures.py)
+from helpers import packed_lm_inputs  # noqa: E402
 
 # Must be exact: Gemma (scaled embedding, (1 + w) norms, tied head), Gemma 2, and MoE families.
 MUST_BE_EXACT = ["gemma", "gemma2", "qwen3_moe", "mixtral", "olmoe", "gpt_oss", "qwen2_moe", "deepseek_v2"]
@@ -91,16 +92,8 @@ def test_moe_packed(model_type):
     is refused, naming its attention."""
     model = _moe(model_type)
     lengths = torch.tensor([4, 1, 6])
-    cu = torch.zeros(4, dtype=torch.int64)
-    cu[1:] = lengths.cumsum(0)
+    cu, ids, pos, mask, predicted = packed_lm_inputs(lengths, architectures.VOCAB)
     n = int(cu[-1])
-    ids = torch.randint(1, architectures.VOCAB, (1, n))
-    seg = torch.repeat_interleave(torch.arange(3), lengths)
-    pos = torch.cat([torch.arange(int(k)) for k in lengths]).unsqueeze(0)
-    allowed = (seg[:, None] == seg[None, :]) & (torch.arange(n)[:, None] >= torch.arange(n)[None, :])
-    mask = torch.zeros(n, n, dtype=torch.float64).masked_fill(~allowed, torch.finfo(torch.float64).min)[None, None]
-    predicted = torch.ones(n, dtype=torch.bool)
-    predicted[cu[:-1]] = False
 
     def per_token():
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits[0]

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import packed_lm_inputs
 from vcpo.grad_norms import PerSequenceGradients, UnsupportedModuleError
 
 
@@ -426,17 +427,8 @@ def test_hugging_face_causal_lms_packed(name):
     config._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(config).double().eval()
     lengths = torch.tensor([5, 1, 7, 3])
-    cu = torch.zeros(5, dtype=torch.int64)
-    cu[1:] = lengths.cumsum(0)
+    cu, ids, pos, mask, predicted = packed_lm_inputs(lengths, 48)
     n = int(cu[-1])
-    ids = torch.randint(1, 48, (1, n))
-    seg = torch.repeat_interleave(torch.arange(4), lengths)
-    pos = torch.cat([torch.arange(int(k)) for k in lengths]).unsqueeze(0)
-    allowed = (seg[:, None] == seg[None, :]) & (torch.arange(n)[:, None] >= torch.arange(n)[None, :])
-    mask = torch.zeros(n, n, dtype=torch.float64).masked_fill(~allowed, torch.finfo(torch.float64).min)[None, None]
-    # token t is predicted from position t - 1 of the same sequence: the first token of each sequence has none
-    predicted = torch.ones(n, dtype=torch.bool)
-    predicted[cu[:-1]] = False
 
     def per_token():
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[0]
