@@ -10,6 +10,7 @@ import torch.multiprocessing as mp
 
 import vcpo
 from batches import random_batch
+from vcpo.step import token_logp
 
 WORLD = 2
 
@@ -121,3 +122,99 @@ def test_distributed_argument_errors(tmp_path):
                              group_index=batch.group_index, process_group=dist.group.WORLD)
     finally:
         dist.destroy_process_group()
+
+
+# -- vcpo.step on 2 ranks against one process: every loss_agg_mode, ranks that hold different token and
+# sequence counts (issue 14's defect: each rank normalised by its own counts) --------------------------------
+
+MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+# Rows 0-3 go to rank 0, rows 4-7 to rank 1. unequal: whole groups per rank of sizes 2, 1, 1 | 3, 1, and unequal
+# token counts; empty: rank 1 holds only sequences without a counted token; spanning: groups cut across the ranks.
+DP_CASES = {
+    "unequal": ([0, 0, 1, 2, 3, 3, 3, 4], [10, 7, 9, 4, 8, 5, 6, 8], [3] * 8),
+    "empty": ([0, 0, 1, 2, 3, 3, 3, 4], [10, 7, 9, 4, 8, 5, 6, 8], [3, 3, 3, 3, 8, 5, 6, 8]),
+    "spanning": ([0, 1, 1, 2, 0, 2, 3, 3], [10, 7, 9, 4, 8, 5, 6, 8], [3, 2, 4, 3, 3, 3, 2, 5]),
+}
+DP_MICRO = (None, 3)  # micro-batches of at most 3 sequences: 2 per rank
+
+
+def _dp_setup(case):
+    """A tiny float64 Llama and 8 rollouts; `prompt` tokens of each row do not count (a row whose prompt fills it
+    counts none); rank 1's rows are padded to their own longest, shorter than rank 0's."""
+    transformers = pytest.importorskip("transformers")
+    groups, lengths, prompt = DP_CASES[case]
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16)
+    config._attn_implementation = "eager"
+    model = transformers.LlamaForCausalLM(config).double().eval()
+    g = torch.Generator().manual_seed(2)
+    b, t = 8, 10
+    ids = torch.randint(1, 40, (b, t), generator=g)
+    cols = torch.arange(t)
+    attention = (cols < torch.tensor(lengths)[:, None]).long()
+    loss_mask = attention * (cols >= torch.tensor(prompt)[:, None])
+    with torch.no_grad():
+        current = torch.zeros(b, t, dtype=torch.float64)
+        current[:, 1:] = token_logp(model(input_ids=ids, attention_mask=attention).logits[:, :-1], ids[:, 1:])
+    behavior = current + 0.4 * torch.randn(b, t, generator=g, dtype=torch.float64)
+    rewards = torch.rand(b, generator=g, dtype=torch.float64).round(decimals=1)
+    batch = vcpo.RolloutBatch(ids, attention, loss_mask, behavior, rewards, group_index=torch.tensor(groups),
+                              num_groups=max(groups) + 1)
+    return model, batch
+
+
+def _rows(batch, rows):
+    """The batch's rows, padded to their own longest sequence."""
+    width = int(batch.attention_mask[rows].sum(1).max())
+    cut = lambda x: x[rows, :width]  # noqa: E731
+    return vcpo.RolloutBatch(cut(batch.input_ids), cut(batch.attention_mask), cut(batch.loss_mask),
+                             cut(batch.behavior_logp), batch.rewards[rows], batch.group_index[rows],
+                             num_groups=batch.num_groups)
+
+
+def _dp_step(case, mode, micro, rows=None, group=None, assembly="auto"):
+    model, batch = _dp_setup(case)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    # No clipping: a wrong gradient scale would be hidden by clipping to the same norm.
+    config = vcpo.VCPOConfig(loss_agg_mode=mode, grad_clip=None, micro_batch_size=micro, assembly=assembly)
+    metrics = vcpo.step(model, opt, batch if rows is None else _rows(batch, rows), config, process_group=group)
+    return {"update": [p.detach() - q for p, q in zip(model.parameters(), before)], "metrics": metrics}
+
+
+def _dp_worker(rank, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        results = {(case, mode, micro): _dp_step(case, mode, micro, slice(4 * rank, 4 * rank + 4), dist.group.WORLD)
+                   for case in DP_CASES for mode in MODES for micro in DP_MICRO}
+        torch.save(results, os.path.join(out_dir, f"dp{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def dp_ranks(tmp_path_factory):
+    """The two ranks' updates and metrics for every case, mode and micro-batch size (one spawn)."""
+    out = tmp_path_factory.mktemp("dp")
+    mp.spawn(_dp_worker, args=(str(out / "init"), str(out)), nprocs=WORLD, join=True)
+    return [torch.load(out / f"dp{r}.pt") for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("micro", DP_MICRO)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", list(DP_CASES))
+def test_two_rank_step_equals_one_process_for_every_aggregation(dp_ranks, case, mode, micro):
+    # One process, the whole batch, no micro-batches. Groups across ranks: the micro-batches' coefficients wait
+    # for every norm pass, then each micro-batch's gradient comes from a second backward; compared with the
+    # whole batch's second backward, as book-keeping agrees with it only to float32 rounding (Llama's RMSNorm
+    # computes in float32 in a float64 model).
+    whole = _dp_step(case, mode, None, assembly="two_pass" if case == "spanning" and micro else "auto")
+    ranks = [r[(case, mode, micro)] for r in dp_ranks]
+    scale = max(u.abs().max() for u in whole["update"])
+    for a, b, want in zip(ranks[0]["update"], ranks[1]["update"], whole["update"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, want, rtol=1e-8, atol=1e-10 * scale)
+    assert ranks[0]["metrics"] == ranks[1]["metrics"]  # every rank reports the same, whole-batch metrics
+    for key, value in whole["metrics"].items():
+        assert ranks[0]["metrics"][key] == pytest.approx(value, rel=1e-9, abs=1e-12), key

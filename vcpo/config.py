@@ -24,6 +24,10 @@ class VCPOConfig(PolicyLossOptions):
     # Log-probs through vcpo_kernels.linear_logprobs from the last hidden states and the LM head's weight,
     # never the [B, T, V] logits (Hugging Face causal LMs; tied embeddings handled; docs/grad_norms.md).
     fused_lm_head: bool = False
+    # At most this many sequences per forward, made of whole prompt groups (group_index), each micro-batch cut to
+    # its own longest sequence; the step is the whole batch's (docs/grad_norms.md, "Micro-batches"). None: one
+    # forward of the whole batch.
+    micro_batch_size: Optional[int] = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -35,6 +39,10 @@ class VCPOConfig(PolicyLossOptions):
             raise ValueError(f"assembly must be one of {list(ASSEMBLY)}, got {self.assembly!r}")
         if not isinstance(self.fused_lm_head, bool):
             raise ValueError(f"fused_lm_head must be True or False, got {self.fused_lm_head!r}")
+        if self.micro_batch_size is not None and (isinstance(self.micro_batch_size, bool) or
+                                                  not isinstance(self.micro_batch_size, int) or
+                                                  self.micro_batch_size < 1):
+            raise ValueError(f"micro_batch_size must be an integer >= 1 or None, got {self.micro_batch_size!r}")
         if self.grad_clip is not None and not (isinstance(self.grad_clip, (int, float)) and self.grad_clip > 0):
             raise ValueError(f"grad_clip must be a number > 0 or None, got {self.grad_clip!r}")
 

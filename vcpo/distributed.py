@@ -9,8 +9,11 @@ lr = 0), no rank is special.
 
 Pass the data-parallel group: ranks that hold the same sequences (tensor or pipeline parallel peers) already
 agree without communication and must not be in it. Every rank must pass the same number of sequences, and
-group indices are global (a prompt's responses may sit on several ranks). The loss is aggregated over the
-rank's own sequences (its gradient is then averaged across ranks by data parallelism, as usual).
+group indices are global (a prompt's responses may sit on several ranks). Each rank's loss is its own sequences'
+part of the whole batch's loss times the world size, with the counts `loss_agg_mode` divides by (the tokens
+sum_j L_j, the valid sequences B') taken over all ranks, and `norm_length` defaulting to the longest padded
+length of any rank: averaging the ranks' gradients, as data parallelism does, gives the whole batch's gradient
+however unevenly tokens, valid sequences and padding fall on the ranks.
 """
 
 from __future__ import annotations
@@ -22,7 +25,20 @@ from torch import Tensor
 import vcpo_kernels
 from vcpo_kernels.inputs import sequence_batch, token_batch
 
-__all__ = ["policy_loss"]
+__all__ = ["policy_loss", "agg_count", "global_share"]
+
+
+def agg_count(length: Tensor, loss_agg_mode: str) -> Tensor:
+    """What `loss_agg_mode` divides by, from the counted lengths L_i: the counted tokens for "token-mean", the
+    valid sequences (L_i > 0) otherwise."""
+    return length.sum() if loss_agg_mode == "token-mean" else (length > 0).sum()
+
+
+def global_share(part_length: Tensor, all_length: Tensor, loss_agg_mode: str) -> Tensor:
+    """agg_count(part) / agg_count(all), float64: a loss aggregated over the sequences of `part` alone, times
+    this, is their share of the loss aggregated over `all` (0 when `part` counts nothing). Ranks here, and the
+    micro-batches of vcpo.step."""
+    return agg_count(part_length, loss_agg_mode).double() / agg_count(all_length, loss_agg_mode).double().clamp(min=1)
 
 
 def policy_loss(logp: Tensor, behavior_logp: Tensor, *, process_group, options, validate: bool = True,
@@ -47,6 +63,7 @@ def policy_loss(logp: Tensor, behavior_logp: Tensor, *, process_group, options, 
         seq.rewards.double() if seq.rewards is not None else zeros,
         seq.grad_sq_norm.double() if seq.grad_sq_norm is not None else zeros + 1,
         seq.group_index.double() if seq.group_index is not None else zeros,
+        zeros + (tokens.padded_length or 0),  # packed: no padded length (norm_length must then be given)
     ], 1)
     world = dist.get_world_size(process_group)
     if validate:  # every rank must hold as many sequences (a second, tiny collective)
@@ -74,6 +91,11 @@ def policy_loss(logp: Tensor, behavior_logp: Tensor, *, process_group, options, 
     out = vcpo_kernels.policy_loss(logp, behavior_logp, mask=mask, cu_seqlens=cu_seqlens, old_logp=old_logp,
                                    advantages=adv_local.to(tokens.acc_dtype), options=options, validate=False,
                                    backend=backend)
+    share = world * global_share(stats.seq_length, length, options.loss_agg_mode)
+    if options.loss_agg_mode == "seq-mean-token-sum-norm" and options.norm_length is None and tokens.padded_length:
+        # the default norm_length, T, of one batch padded to the longest rank's T (the op used this rank's)
+        share = share * max(tokens.padded_length, 1) / every[:, 5].max().clamp(min=1)
+    out.loss = out.loss * share.to(out.loss.dtype)
     dtype = out.ess.dtype
     out.ess, out.ess_ratio, out.lr_scale = (t.to(dtype) for t in (ess.ess, ess.ess_ratio, ess.lr_scale))
     out.baseline = baseline.to(dtype)

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 import vcpo_kernels as vk
 
 from .config import VCPOConfig
+from .distributed import agg_count
 from .grad_norms import PerSequenceGradients, UnsupportedModuleError
 from .loss import policy_loss
 from .lr import scale_lr
@@ -81,10 +82,12 @@ def _bookkeeping_exact(config: VCPOConfig, batch: RolloutBatch) -> bool:
     return batch.old_logp is None and config.is_level != "token"
 
 
-def _average_gradients(params: list, group) -> None:
-    """Mean of every parameter's gradient over the ranks of `group`, in one all_reduce of a flat buffer."""
+def _average_gradients(params: list, group, sums: Tensor) -> None:
+    """Mean of every parameter's gradient over the ranks of `group`, in one all_reduce of a flat buffer, and the
+    sum of the float64 vector `sums` over the ranks, in place (a second, tiny all_reduce, issued first)."""
     import torch.distributed as dist
 
+    pending = dist.all_reduce(sums, group=group, async_op=True)
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=group)
@@ -93,16 +96,19 @@ def _average_gradients(params: list, group) -> None:
     for p, g in zip(params, grads):
         p.grad = flat[offset:offset + g.numel()].view_as(p).clone()
         offset += g.numel()
+    pending.wait()
 
 
 def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch,
          config: Optional[VCPOConfig] = None, process_group=None) -> dict[str, float]:
     """One VCPO update of `model` (a causal LM returning `.logits`, e.g. any Hugging Face model; not wrapped
-    in DDP). Returns the metrics; the only host sync is the one that reads them (and the lr scale with them):
-    the batch's values are not validated here (vcpo.policy_loss does that, at the cost of host reads).
-    With a data-parallel `process_group` (every rank calling with its own sequences, as many as the others,
-    and a global `num_groups`), the ESS, lr scale and baselines cover the sequences of all ranks and the
-    gradients are averaged over the ranks before clipping, so every rank takes the same step."""
+    in DDP). Returns the metrics of the whole batch; the only host sync is the one that reads them (and the lr
+    scale with them), plus one before the first forward with `micro_batch_size` (the prompt groups and lengths
+    that form the micro-batches): the batch's values are not validated here (vcpo.policy_loss does that, at the
+    cost of host reads). With a data-parallel `process_group` (every rank calling with its own sequences, as many
+    as the others, and a global `num_groups`), the ESS, lr scale, baselines, loss normalisation and metrics cover
+    the sequences of all ranks and the gradients are averaged over the ranks before clipping, so every rank
+    takes the step of one process on the whole batch (docs/grad_norms.md)."""
     config = config if config is not None else VCPOConfig()
     if not isinstance(batch, RolloutBatch):
         raise ValueError(f"batch must be a vcpo.RolloutBatch, got {type(batch).__name__}")
@@ -127,85 +133,244 @@ def _model_kwargs(model: nn.Module) -> dict:
     return {"use_cache": False} if hasattr(getattr(model, "config", None), "use_cache") else {}
 
 
+@dataclass
+class _Plan:
+    """How the step runs the batch (docs/grad_norms.md, "Micro-batches")."""
+
+    parts: list  # (rows, width) per micro-batch: its sequences (None: the whole batch as it is), columns kept
+    per_micro_batch: bool = False  # several micro-batches, each one's coefficients known after its norm pass
+    recompute: str = ""  # several micro-batches whose coefficients need the whole batch: why
+    num_groups: Optional[int] = None
+    count: float = 1.0  # what loss_agg_mode divides by, over the whole batch (all ranks)
+    world: int = 1
+    options: Optional[VCPOConfig] = None  # the config, with norm_length the whole batch's where it defaults
+
+
+def _whole_batch_advantages(config: VCPOConfig) -> str:
+    """Why a sequence's advantage depends on sequences outside its prompt group, or "" when it does not."""
+    if config.advantage == "reinforce":
+        return "advantage='reinforce' subtracts the batch's mean reward"
+    if config.advantage == "opob" and config.opob_scope == "batch":
+        return "opob_scope='batch' forms one baseline over the whole batch"
+    return ""
+
+
+def _plan(batch: RolloutBatch, config: VCPOConfig, process_group) -> _Plan:
+    """The micro-batches: whole prompt groups, in order of first appearance, as many per micro-batch as fit in
+    micro_batch_size sequences, each cut to its longest sequence (the last column with an attended or counted
+    token); with a process_group, one all_gather of each rank's groups, count and padded length."""
+    m = config.micro_batch_size
+    b, t = batch.input_ids.shape
+    if m is None:
+        return _Plan([(None, t)])
+    device = batch.input_ids.device
+    groups = batch.group_index if batch.group_index is not None else torch.zeros(b, dtype=torch.long, device=device)
+    used = (batch.attention_mask != 0) | (batch.loss_mask != 0)
+    width = (used * torch.arange(1, t + 1, device=device)).amax(1) if t > 0 and b > 0 else groups * 0
+    count = agg_count((batch.loss_mask[:, 1:] != 0).sum(1), config.loss_agg_mode).double()
+    world, whole = 1, torch.stack([count.new_zeros(()), count, count.new_tensor(float(t))])
+    if process_group is not None:
+        import torch.distributed as dist
+
+        if batch.group_index is not None and batch.num_groups is None:
+            raise ValueError("num_groups is required with a process_group: group indices are global, and a rank "
+                             "cannot infer the count from its own sequences")
+        ng = batch.num_groups if batch.group_index is not None else 1
+        present = count.new_zeros(ng).index_fill_(0, groups.long().clamp(0, max(ng - 1, 0)), 1.0)
+        local = torch.cat([present, whole[1:]])
+        world = dist.get_world_size(process_group)
+        gathered = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(gathered, local, group=process_group)
+        every = torch.stack(gathered)  # [world, groups present..., count, T]
+        whole = torch.stack([(every[:, :ng].sum(0) > 1).any().double(), every[:, ng].sum(), every[:, ng + 1].max()])
+    values = torch.cat([groups.double(), width.double(), whole]).tolist()  # the one host read of the plan
+    group_of, widths, (spans, total, longest) = values[:b], values[b:2 * b], values[2 * b:]
+    ng = batch.num_groups if batch.num_groups is not None else int(max(group_of, default=0)) + 1
+    if batch.group_index is not None and not all(0 <= g < ng for g in group_of):
+        raise ValueError(f"group_index must be in [0, num_groups) = [0, {ng}), got {sorted(set(group_of))}")
+    members: dict = {}
+    for i, g in enumerate(group_of):
+        members.setdefault(g, []).append(i)
+    chunks, current = [], []
+    for g, rows in members.items():
+        if len(rows) > m:
+            what = ("the batch is one prompt group (group_index is None)" if batch.group_index is None
+                    else f"prompt group {int(g)} has {len(rows)} sequences")
+            raise ValueError(f"micro_batch_size={m} is smaller than a prompt group: {what}; micro-batches hold "
+                             "whole groups, so micro_batch_size must be at least the largest group")
+        if len(current) + len(rows) > m:
+            chunks.append(current)
+            current = []
+        current = current + rows
+    chunks.append(current)
+    parts = [(torch.tensor(sorted(rows), device=device), min(t, max(2, int(max(widths[i] for i in rows)))))
+             for rows in chunks if rows]
+    if len(parts) <= 1 and (not parts or parts[0][1] == t):
+        parts = [(None, t)]
+    options = config
+    if config.loss_agg_mode == "seq-mean-token-sum-norm" and config.norm_length is None:
+        options = config.replace(norm_length=max(longest - 1, 1))  # the padded length T of the logp [B, T-1]
+    why = ""
+    if len(parts) > 1:
+        why = _whole_batch_advantages(config) or ("prompt groups span ranks of the process_group" if spans else "")
+    return _Plan(parts, per_micro_batch=len(parts) > 1 and not why, recompute=why, num_groups=ng,
+                 count=max(total, 1.0), world=world, options=options)
+
+
+def _select(batch: RolloutBatch, rows: Optional[Tensor], width: int) -> RolloutBatch:
+    """The micro-batch of `rows`, its first `width` columns."""
+    if rows is None:
+        return batch
+    cut = lambda x: None if x is None else x[rows, :width]  # noqa: E731
+    return RolloutBatch(cut(batch.input_ids), cut(batch.attention_mask), cut(batch.loss_mask),
+                        cut(batch.behavior_logp), batch.rewards[rows],
+                        None if batch.group_index is None else batch.group_index[rows], batch.num_groups,
+                        cut(batch.old_logp))
+
+
+class _Pass:
+    """One micro-batch's forward and, when G_i are recorded (`norms`), its norm pass: the backward of
+    sum_i sum_t log pi(y_it) to the recorded layers. With `keep`, what backward(dlogp) needs stays: the records
+    (book-keeping) or the graph; without, only the log-probs and the norms do."""
+
+    def __init__(self, model: nn.Module, mb: RolloutBatch, config: VCPOConfig, *, norms: bool, keep: bool,
+                 bookkeeping: bool):
+        ids = mb.input_ids
+        self.mask = mb.loss_mask[:, 1:] != 0
+        self.bookkeeping = bookkeeping
+        record = norms and config.grad_norms in ("exact", "lm_head")
+        self.fused = _FusedHead(model, mb, self.mask, config, record) if config.fused_lm_head else None
+        # The fused op adds the head's own norm; the recorder, every other layer's ("exact") or the head's.
+        recorded = record and (config.grad_norms == "exact" or self.fused is None)
+        modules = None if config.grad_norms == "exact" else [model.get_output_embeddings()]
+        # Frozen parameters: the forward keeps only what activation gradients need (no backward to them follows).
+        self.psg = (PerSequenceGradients(model, num_seqs=ids.shape[0], seq_len=ids.shape[1], modules=modules,
+                                         freeze_parameters=bookkeeping or not keep) if recorded else None)
+        with self.psg if self.psg is not None else nullcontext(), torch.set_grad_enabled(record or keep):
+            if self.fused is not None:
+                logp = self.fused.logp(self.psg, detach_body=record and not keep and self.psg is None)
+            else:
+                logits = model(input_ids=ids, attention_mask=mb.attention_mask, **_model_kwargs(model)).logits
+                logp = token_logp(logits[:, :-1], ids[:, 1:])
+                del logits
+            if record:
+                objective = torch.where(self.mask, logp, 0).sum()
+                if self.psg is not None:
+                    self.psg.backward(objective, retain_graph=keep and not bookkeeping)
+                else:  # the fused head alone: its backward adds the per-sequence norms
+                    torch.autograd.grad(objective, self.fused.hidden, retain_graph=keep)
+        self.logp = logp
+        self.grad_sq_norm = None
+        if record:
+            g = self.psg.sq_norms() if self.psg is not None else 0
+            if self.fused is not None:
+                g = g + self.fused.head_sq_norms(self.psg)
+            self.grad_sq_norm = g.to(logp.dtype)
+            if self.psg is not None and not (keep and bookkeeping):
+                self.psg.release()
+        elif norms and config.grad_norms == "length":
+            self.grad_sq_norm = self.mask.sum(1).to(logp.dtype)
+
+    def backward(self, dlogp: Tensor) -> None:
+        """Accumulate the gradient of sum_it dlogp_it log pi(y_it) into the parameters' .grad."""
+        if self.bookkeeping:
+            # d loss / d log pi_it = k_i on every counted token of sequence i: the gradient is sum_i k_i g_i.
+            k = (dlogp * self.mask).sum(1) / self.mask.sum(1).clamp(min=1)
+            self.psg.assemble(k.double())
+            self.psg.release()
+            if self.fused is not None:
+                self.fused.head_backward(dlogp)
+        else:
+            self.logp.backward(dlogp)
+
+
+def _micro_batch_dlogp(part: _Pass, mb: RolloutBatch, plan: _Plan, config: VCPOConfig) -> Tensor:
+    """d loss / d log pi on one micro-batch's tokens: the fused loss over its sequences (its prompt groups are
+    whole, so their advantages are the whole batch's), times its share of the whole batch's normalisation."""
+    leaf = part.logp.detach().requires_grad_()
+    out = vk.policy_loss(leaf, mb.behavior_logp[:, 1:], mask=part.mask,
+                         old_logp=None if mb.old_logp is None else mb.old_logp[:, 1:], rewards=mb.rewards,
+                         group_index=mb.group_index, num_groups=plan.num_groups, grad_sq_norm=part.grad_sq_norm,
+                         options=plan.options, validate=False, backend=config.backend)
+    share = plan.world * agg_count(part.mask.sum(1), config.loss_agg_mode).double() / plan.count
+    (dlogp,) = torch.autograd.grad(out.loss * share.to(out.loss.dtype), leaf)
+    return dlogp
+
+
 def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch, config: VCPOConfig,
           process_group) -> dict[str, float]:
     exact_ok = _bookkeeping_exact(config, batch)
     if config.assembly == "bookkeeping" and not exact_ok:
         raise ValueError("assembly='bookkeeping' needs bypass mode (no old_logp) and is_level != 'token'; "
                          "use assembly='two_pass' or 'auto'")
-    record = config.grad_norms in ("exact", "lm_head")
     # Book-keeping rebuilds every parameter's gradient from the recorded layers: all of them must be recorded.
     if config.assembly == "bookkeeping" and config.grad_norms != "exact":
         raise ValueError("assembly='bookkeeping' needs grad_norms='exact' (every layer recorded)")
-    bookkeeping = config.grad_norms == "exact" and (config.assembly == "bookkeeping" or
-                                                    (config.assembly == "auto" and exact_ok))
-    ids = batch.input_ids
+    plan = _plan(batch, config, process_group)
+    if config.assembly == "bookkeeping" and plan.recompute:
+        raise ValueError(f"assembly='bookkeeping' with micro_batch_size={config.micro_batch_size}: {plan.recompute}, "
+                         "so the coefficients are known only after every micro-batch's norm pass and each "
+                         "micro-batch's gradient needs a second forward; use assembly='auto' or 'two_pass'")
+    bookkeeping = config.grad_norms == "exact" and config.assembly != "two_pass" and exact_ok and not plan.recompute
+    b, t = batch.input_ids.shape
     mask = batch.loss_mask[:, 1:] != 0
-    b = ids.shape[0]
     params = [p for p in model.parameters() if p.requires_grad]
 
     optimizer.zero_grad(set_to_none=True)
-    if config.fused_lm_head:
-        fused = _FusedHead(model, batch, mask, config, record)
-        psg_needed = config.grad_norms == "exact"  # the head's own norm comes from the fused op
-    else:
-        fused, psg_needed = None, record
-    modules = None if config.grad_norms == "exact" else [model.get_output_embeddings()]
-    recorder = (PerSequenceGradients(model, num_seqs=b, seq_len=ids.shape[1], modules=modules,
-                                     freeze_parameters=bookkeeping)
-                if psg_needed else nullcontext())
-    with recorder as psg:
-        if fused is not None:
-            logp = fused.logp(psg)
+    keep = len(plan.parts) == 1  # the one micro-batch's records or graph wait for the whole batch's loss
+    logp = grad_sq_norm = kept = None
+    for rows, width in plan.parts:
+        mb = _select(batch, rows, width)
+        part = _Pass(model, mb, config, norms=True, keep=keep or plan.per_micro_batch, bookkeeping=bookkeeping)
+        if rows is None:
+            logp, grad_sq_norm = part.logp.detach(), part.grad_sq_norm
         else:
-            logits = model(input_ids=ids, attention_mask=batch.attention_mask, **_model_kwargs(model)).logits
-            logp = token_logp(logits[:, :-1], ids[:, 1:])
-            del logits
-        if record:  # the norm pass: sum_i sum_t log pi(y_it) back to the recorded layers, no weight gradients
-            objective = torch.where(mask, logp, 0).sum()
-            if psg_needed:
-                psg.backward(objective, retain_graph=not bookkeeping)
-            else:  # the fused head alone: its backward adds the per-sequence norms
-                torch.autograd.grad(objective, fused.hidden, retain_graph=True)
-    if record:
-        grad_sq_norm = psg.sq_norms() if psg_needed else 0
-        if fused is not None:
-            grad_sq_norm = grad_sq_norm + fused.head_sq_norms(psg if psg_needed else None)
-        grad_sq_norm = grad_sq_norm.to(logp.dtype)
-        if psg_needed and not bookkeeping:
-            psg.release()
-    elif config.grad_norms == "length":
-        grad_sq_norm = mask.sum(1).to(logp.dtype)
-    else:
-        grad_sq_norm = None
+            if logp is None:
+                logp = part.logp.new_zeros(b, t - 1)
+                grad_sq_norm = None if part.grad_sq_norm is None else part.grad_sq_norm.new_zeros(b)
+            logp[rows, :width - 1] = part.logp.detach()
+            if grad_sq_norm is not None:
+                grad_sq_norm[rows] = part.grad_sq_norm
+        if plan.per_micro_batch:
+            part.backward(_micro_batch_dlogp(part, mb, plan, config))
+        elif keep:
+            kept = part
+        del part, mb
 
-    leaf = logp.detach().requires_grad_()
-    out = policy_loss(
-        leaf, batch.behavior_logp[:, 1:], mask=mask,
-        old_logp=None if batch.old_logp is None else batch.old_logp[:, 1:],
-        rewards=batch.rewards, group_index=batch.group_index, num_groups=batch.num_groups,
-        grad_sq_norm=grad_sq_norm, config=config, process_group=process_group, validate=False,
-    )
-    (dlogp,) = torch.autograd.grad(out.loss, leaf)
-    if bookkeeping:
-        # d loss / d log pi_it = k_i on every counted token of sequence i: the gradient is sum_i k_i g_i.
-        k = (dlogp * mask).sum(1) / mask.sum(1).clamp(min=1)
-        psg.assemble(k.double())
-        psg.release()
-        if fused is not None:
-            fused.head_backward(dlogp)
-    else:
-        logp.backward(dlogp)
+    # The whole batch's loss: its gradient to the log-probs (unless each micro-batch had its own) and statistics.
+    leaf = logp.detach().requires_grad_(not plan.per_micro_batch)
+    with torch.no_grad() if plan.per_micro_batch else nullcontext():
+        out = policy_loss(
+            leaf, batch.behavior_logp[:, 1:], mask=mask,
+            old_logp=None if batch.old_logp is None else batch.old_logp[:, 1:],
+            rewards=batch.rewards, group_index=batch.group_index, num_groups=batch.num_groups,
+            grad_sq_norm=grad_sq_norm, config=config, process_group=process_group, validate=False,
+        )
+    if not plan.per_micro_batch:
+        (dlogp,) = torch.autograd.grad(out.loss, leaf)
+        if kept is not None:
+            rows, width = plan.parts[0]
+            kept.backward(dlogp if rows is None else dlogp[rows, :width - 1])
+            del kept
+        else:
+            for rows, width in plan.parts:  # the second forward, and the backward, of each micro-batch
+                _Pass(model, _select(batch, rows, width), config, norms=False, keep=True,
+                      bookkeeping=False).backward(dlogp[rows, :width - 1])
+    world = 1
     if process_group is not None:
-        _average_gradients(params, process_group)
+        import torch.distributed as dist
+
+        world = dist.get_world_size(process_group)
+    sums = _loss_sums(out, config, mask.any(1), grad_sq_norm, world)
+    if process_group is not None:
+        _average_gradients(params, process_group, sums)
 
     grad_norm = (torch.nn.utils.clip_grad_norm_(params, config.grad_clip) if config.grad_clip is not None
                  else torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
-    mean_g = grad_sq_norm.mean() if grad_sq_norm is not None else torch.ones((), device=grad_norm.device)
-    valid = mask.any(1).to(out.advantages.dtype)
+    extra = _whole_batch_statistics(out, sums)
     metrics = out.metrics(  # the one host sync of the step
-        grad_norm=grad_norm, grad_sq_norm_mean=mean_g, baseline_mean=out.baseline.mean(),
-        advantage_abs_mean=(out.advantages.abs() * valid).sum() / valid.sum().clamp(min=1),
+        grad_norm=grad_norm, grad_sq_norm_mean=extra["grad_sq_norm_mean"], baseline_mean=out.baseline.mean(),
+        advantage_abs_mean=extra["advantage_abs_mean"],
     )
     lr_scale = metrics["lr_scale"]
     if not math.isfinite(lr_scale):
@@ -213,6 +378,27 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatc
     with scale_lr(optimizer, lr_scale):
         optimizer.step()
     return metrics
+
+
+def _loss_sums(out, config: VCPOConfig, valid: Tensor, grad_sq_norm: Optional[Tensor], world: int) -> Tensor:
+    """This rank's loss statistics as float64 sums (each fraction times the count it is a fraction of): summed
+    over the ranks they give the whole batch's (_whole_batch_statistics). The loss is this rank's part of the
+    whole batch's times the world size (vcpo/distributed.py)."""
+    units = out.num_tokens if config.is_level == "token" else out.num_seqs  # what is_clip_fraction counts
+    values = [out.loss.detach() / world, out.is_clip_fraction * units, out.mean_is_coef * units, units,
+              out.kl_k3 * out.num_tokens, out.ppo_clip_fraction * out.num_tokens, out.num_tokens, out.num_seqs,
+              out.num_nonfinite, grad_sq_norm.sum() if grad_sq_norm is not None else valid.numel(),
+              valid.numel(), (out.advantages.abs() * valid).sum(), valid.sum()]
+    return torch.stack([torch.as_tensor(v, device=valid.device).double().reshape(()) for v in values])
+
+
+def _whole_batch_statistics(out, sums: Tensor) -> dict:
+    """Sets out's statistics to the ones of the (summed) _loss_sums; returns the step's mean G_i and |A_i|."""
+    loss, clipped, coef, units, kl, ppo, tokens, seqs, nonfinite, g, b, adv, valid = sums.unbind()
+    out.loss, out.num_tokens, out.num_seqs, out.num_nonfinite = loss, tokens, seqs, nonfinite
+    out.is_clip_fraction, out.mean_is_coef = clipped / units.clamp(min=1), coef / units.clamp(min=1)
+    out.kl_k3, out.ppo_clip_fraction = kl / tokens.clamp(min=1), ppo / tokens.clamp(min=1)
+    return {"grad_sq_norm_mean": g / b.clamp(min=1), "advantage_abs_mean": adv / valid.clamp(min=1)}
 
 
 class _FusedHead:
@@ -233,11 +419,15 @@ class _FusedHead:
             self.sq = torch.zeros(b, dtype=torch.float64, device=mask.device)
         self.hidden = None
 
-    def logp(self, psg: Optional[PerSequenceGradients]) -> Tensor:
+    def logp(self, psg: Optional[PerSequenceGradients], detach_body: bool = False) -> Tensor:
+        """`detach_body`: the hidden states as a leaf (only the head's norms are backpropagated: to them)."""
         ids = self.batch.input_ids
         b, t = ids.shape
-        self.hidden = self.body(input_ids=ids, attention_mask=self.batch.attention_mask,
-                                **_model_kwargs(self.body)).last_hidden_state
+        with torch.no_grad() if detach_body else nullcontext():
+            self.hidden = self.body(input_ids=ids, attention_mask=self.batch.attention_mask,
+                                    **_model_kwargs(self.body)).last_hidden_state
+        if detach_body:
+            self.hidden.requires_grad_()
         record_rows = self.sq is not None and self.tied and self.config.grad_norms == "exact"
         if record_rows:  # d W_i at the input ids: the embedding's rows of the shared weight
             dt = torch.promote_types(self.hidden.dtype, torch.float32)
