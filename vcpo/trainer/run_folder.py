@@ -1,0 +1,105 @@
+"""A run's folder (docs/trainer.md, "Outputs"): config.json (the resolved settings), metrics.jsonl (one line per
+step), rollouts.jsonl (every consumed sample, once), checkpoints/step-NNNNNN (model, tokenizer, optimizer,
+trainer_state.pt), curves.png and summary.json.
+
+A checkpoint is written to a .tmp folder and renamed into place, so a run stopped at any moment leaves the
+previous checkpoint whole; a resume drops the metrics and rollouts lines of the steps after it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from typing import Optional
+
+from .plot import plot_run
+
+
+def _truncate_jsonl(path: str, max_step: int) -> None:
+    """Drop the lines of steps after `max_step`: they will be done again."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        keep = [line for line in f if line.strip() and json.loads(line)["step"] <= max_step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(keep)
+    os.replace(path + ".tmp", path)
+
+
+class RunFolder:
+    def __init__(self, path: Optional[str], *, resume: bool) -> None:
+        """The folder of a new run (`path` absent or empty; default runs/vcpo-<date>-<time>) or, with resume, of
+        a run that has a checkpoint."""
+        self.path = path or os.path.join("runs", time.strftime("vcpo-%Y%m%d-%H%M%S"))
+        if resume and not self.checkpoints():
+            raise ValueError(f"resume: {self.path!r} has no checkpoint")
+        if not resume and os.path.isdir(self.path) and os.listdir(self.path):
+            raise ValueError(f"output_dir {self.path!r} exists and is not empty: resume it with --resume or pick "
+                             "another")
+        os.makedirs(self.path, exist_ok=True)
+        self._metrics = self._rollouts = None
+
+    def file(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def checkpoints(self) -> list[str]:
+        root = self.file("checkpoints")
+        if not os.path.isdir(root):
+            return []
+        return sorted(os.path.join(root, d) for d in os.listdir(root)
+                      if d.startswith("step-") and not d.endswith(".tmp"))
+
+    def rewind(self, step: int) -> None:
+        """Resuming at `step`: the logged steps after it are forgotten."""
+        for name in ("metrics.jsonl", "rollouts.jsonl"):
+            _truncate_jsonl(self.file(name), step)
+
+    def write_json(self, name: str, value: dict) -> None:
+        with open(self.file(name), "w") as f:
+            json.dump(value, f, indent=2, default=str)
+
+    # -- the step logs ----------------------------------------------------------------------------------------
+    def __enter__(self) -> "RunFolder":
+        self._metrics = open(self.file("metrics.jsonl"), "a")
+        self._rollouts = open(self.file("rollouts.jsonl"), "a")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for f in (self._metrics, self._rollouts):
+            if f is not None:
+                f.close()
+        self._metrics = self._rollouts = None
+
+    def log_step(self, row: dict, rollouts: list) -> None:
+        """metrics.jsonl gets `row`; rollouts.jsonl one line per consumed sample, tagged with the step."""
+        self._metrics.write(json.dumps(row) + "\n")
+        for r in rollouts:
+            extra = {"last_version": r.last_version} if r.last_version is not None else {}
+            if r.server is not None:
+                extra["server"] = r.server
+            self._rollouts.write(json.dumps({"step": row["step"], "uid": list(r.uid), "version": r.version,
+                                             "response_ids": r.response_ids, "reward": r.reward,
+                                             "finish_reason": r.finish_reason, **extra}) + "\n")
+
+    # -- checkpoints --------------------------------------------------------------------------------------------
+    def new_checkpoint(self, step: int) -> str:
+        """An empty folder to write step `step`'s checkpoint into; commit_checkpoint puts it in place."""
+        tmp = self.file(os.path.join("checkpoints", f"step-{step:06d}.tmp"))
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        return tmp
+
+    def commit_checkpoint(self, tmp: str, keep: int) -> None:
+        """The logs flushed first (a checkpoint in place never lacks the log lines of its steps), then the
+        written checkpoint in place of any older one of its step, the oldest beyond `keep` removed and the
+        curves redrawn."""
+        for f in (self._metrics, self._rollouts):
+            if f is not None:
+                f.flush()
+        folder = tmp[:-len(".tmp")]
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(tmp, folder)
+        for old in self.checkpoints()[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        plot_run(self.path)
