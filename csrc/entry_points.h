@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 
+#include <cmath>
 #include <optional>
 #include <utility>
 
@@ -126,6 +127,13 @@ inline void check_logit_rows_backward(const at::Tensor& logits, const at::Tensor
   }
   TORCH_CHECK(!g_entropy || entropy, "vcpo: g_entropy needs the forward's entropy");
   TORCH_CHECK(!g_sum_p2 || sum_p2, "vcpo: g_sum_p2 needs the forward's sum_p2");
+}
+
+// The softcap of the logit-row passes (none, or a finite number > 0) as the kernels take it: 0 for none.
+inline double logit_softcap(const std::optional<double>& softcap) {
+  TORCH_CHECK(!softcap || (*softcap > 0 && std::isfinite(*softcap)), "vcpo: softcap must be a finite number > 0, got ",
+              *softcap);
+  return softcap ? *softcap : 0.0;
 }
 
 // Calls body(lp_t{}, ref_t{}) for logp's dtype and the dtype of behavior_logp (logp's own or float32).

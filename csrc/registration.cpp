@@ -27,9 +27,10 @@ TORCH_LIBRARY(vcpo, m) {
   m.def("policy_loss_backward(Tensor grad_loss, Tensor logp, Tensor behavior_logp, Tensor? old_logp,"
         " Tensor? mask, Tensor cu_seqlens, Tensor grad_scale, Tensor advantages, int[] codes, float[] values)"
         " -> Tensor grad_logp");
-  // The passes over a chunk of logits of linear_logprobs (the GEMMs around them are torch's).
-  m.def("logit_rows_forward(Tensor logits, Tensor targets, int ignore_index)"
+  // The passes over a chunk of logits of linear_logprobs (the GEMMs around them are torch's); with a softcap c
+  // they read each logit z as c tanh(z / c).
+  m.def("logit_rows_forward(Tensor logits, Tensor targets, int ignore_index, float? softcap)"
         " -> (Tensor lse, Tensor logp, Tensor entropy, Tensor sum_p2)");
   m.def("logit_rows_backward(Tensor(a!) logits, Tensor lse, Tensor targets, int ignore_index, Tensor? g_logp,"
-        " Tensor? g_entropy, Tensor? g_sum_p2, Tensor? entropy, Tensor? sum_p2, float scale) -> ()");
+        " Tensor? g_entropy, Tensor? g_sum_p2, Tensor? entropy, Tensor? sum_p2, float scale, float? softcap) -> ()");
 }

@@ -2,12 +2,15 @@
 backend: the GEMMs are torch's (BLAS, cuBLAS); a backend supplies the two passes over a chunk's logits
 z [n, V] as RowPasses:
 
-    forward(z, targets, ignore_index) -> (lse, logp, entropy, sum_p2)   [n] each, z's dtype
-    backward_(z, lse, targets, ignore_index, g_logp, g_entropy, g_sum_p2, entropy, sum_p2, scale) -> z
+    forward(z, targets, ignore_index, cap) -> (lse, logp, entropy, sum_p2)   [n] each, z's dtype
+    backward_(z, lse, targets, ignore_index, g_logp, g_entropy, g_sum_p2, entropy, sum_p2, scale, cap) -> z
 
-the second overwriting z with d z * scale (0 on ignored rows). The forward keeps lse (and the entropy and
-sum p^2 when they are outputs, which the backward's d z needs); the backward recomputes each chunk's logits.
-With per-sequence norms the backward walks the tokens a sequence at a time (spans never cross a sequence)."""
+the second overwriting z with d z * scale (0 on ignored rows). The loop hands them z = (h W^T + b) / T; with a
+softcap c the passes read each logit as (c / T) tanh(z / (c / T)) = c tanh((h W^T + b) / c) / T, so `cap` is
+c / T (None: no cap), and the backward's d z is chain-ruled through the tanh in the pass that writes it. The
+forward keeps lse (and the entropy and sum p^2 when they are outputs, which the backward's d z needs); the
+backward recomputes each chunk's logits. With per-sequence norms the backward walks the tokens a sequence at a
+time (spans never cross a sequence)."""
 
 from __future__ import annotations
 
@@ -47,7 +50,7 @@ def _spans(n: int, bounds: Optional[list], chunk: int):
 
 class ChunkedLinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows, hidden, weight, bias, targets, inv_t, ignore_index, chunk, want_entropy, want_p2,
+    def forward(ctx, rows, hidden, weight, bias, targets, inv_t, cap, ignore_index, chunk, want_entropy, want_p2,
                 cu_seqlens, seq_sq_norm, row_ids, seq_rows):
         dt = compute_dtype(hidden, weight, bias)
         w, b = weight.to(dt), None if bias is None else bias.to(dt)
@@ -57,7 +60,7 @@ class ChunkedLinearLogprobs(torch.autograd.Function):
         sum_p2 = hidden.new_empty(n, dtype=dt) if want_p2 else None
         for s, e, _, _ in _spans(n, None, chunk):
             z = _logits(hidden[s:e].to(dt), w, b, inv_t)
-            l, lp, ent, p2 = rows.forward(z, targets[s:e], ignore_index)
+            l, lp, ent, p2 = rows.forward(z, targets[s:e], ignore_index, cap)
             lse[s:e], logp[s:e] = l, lp
             if want_entropy:
                 entropy[s:e] = ent
@@ -67,7 +70,7 @@ class ChunkedLinearLogprobs(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, sum_p2)
         # the per-sequence accumulators are written by the backward: kept outside autograd's version checks
         ctx.per_seq = (cu_seqlens, seq_sq_norm, row_ids, seq_rows)
-        ctx.config = (inv_t, ignore_index, chunk)
+        ctx.config = (inv_t, cap, ignore_index, chunk)
         ctx.mark_non_differentiable(lse)
         return logp, entropy, sum_p2
 
@@ -75,7 +78,7 @@ class ChunkedLinearLogprobs(torch.autograd.Function):
     def backward(ctx, g_logp, g_ent, g_p2):
         hidden, weight, bias, targets, lse, entropy, sum_p2 = ctx.saved_tensors
         cu_seqlens, seq_sq_norm, row_ids, seq_rows = ctx.per_seq
-        inv_t, ignore_index, chunk = ctx.config
+        inv_t, cap, ignore_index, chunk = ctx.config
         dt = lse.dtype
         w, b = weight.to(dt), None if bias is None else bias.to(dt)
         n = hidden.shape[0]
@@ -95,7 +98,7 @@ class ChunkedLinearLogprobs(torch.autograd.Function):
             z = _logits(h, w, b, inv_t)
             dz = ctx.rows.backward_(
                 z, lse[s:e], targets[s:e], ignore_index, *(None if g is None else g[s:e] for g in grads),
-                None if entropy is None else entropy[s:e], None if sum_p2 is None else sum_p2[s:e], inv_t)
+                None if entropy is None else entropy[s:e], None if sum_p2 is None else sum_p2[s:e], inv_t, cap)
             if need_h:
                 torch.mm(dz, w, out=d_hidden[s:e])
             db = dz.sum(0) if bias is not None and (need_b or per_seq) else None
@@ -127,14 +130,16 @@ class ChunkedLinearLogprobs(torch.autograd.Function):
         return (None,
                 None if d_hidden is None else d_hidden.to(hidden.dtype),
                 None if d_weight is None else d_weight.to(weight.dtype),
-                None if d_bias is None else d_bias.to(bias.dtype)) + (None,) * 10
+                None if d_bias is None else d_bias.to(bias.dtype)) + (None,) * 11
 
 
 def linear_logprobs(rows: RowPasses, hidden: Tensor, weight: Tensor, targets: Tensor, bias: Optional[Tensor],
-                    temperature: float, ignore_index: int, chunk_size: int, return_entropy: bool,
-                    return_sum_p2: bool, cu_seqlens: Optional[Tensor], seq_grad_sq_norm: Optional[Tensor],
-                    seq_grad_row_ids: Optional[Tensor], seq_grad_rows: Optional[Tensor]):
+                    temperature: float, softcap: Optional[float], ignore_index: int, chunk_size: int,
+                    return_entropy: bool, return_sum_p2: bool, cu_seqlens: Optional[Tensor],
+                    seq_grad_sq_norm: Optional[Tensor], seq_grad_row_ids: Optional[Tensor],
+                    seq_grad_rows: Optional[Tensor]):
     """(logp, entropy or None, sum_p2 or None) in the compute dtype, with `rows` the backend's passes."""
-    return ChunkedLinearLogprobs.apply(rows, hidden, weight, bias, targets, 1.0 / temperature, ignore_index,
+    cap = None if softcap is None else softcap / temperature
+    return ChunkedLinearLogprobs.apply(rows, hidden, weight, bias, targets, 1.0 / temperature, cap, ignore_index,
                                        chunk_size, return_entropy, return_sum_p2, cu_seqlens, seq_grad_sq_norm,
                                        seq_grad_row_ids, seq_grad_rows)

@@ -239,6 +239,7 @@ def linear_logprobs(
     *,
     bias: Optional[Tensor] = None,
     temperature: float = 1.0,
+    softcap: Optional[float] = None,
     ignore_index: int = -100,
     return_entropy: bool = False,
     return_sum_p2: bool = False,
@@ -251,13 +252,16 @@ def linear_logprobs(
     backend: str = "auto",
 ) -> LinearLogprobs:
     """log softmax((hidden @ weight.T + bias) / temperature)[targets] per token, without materialising the
-    N x V logits (chunks of `chunk_size` tokens; default: 16M logits a chunk). Autograd to hidden,
-    weight and bias from any upstream gradient of every output. `seq_grad_sq_norm` ([B], with `cu_seqlens`):
-    the backward adds each sequence's squared norm of the weight (and bias) gradient to it. `seq_grad_rows`
-    ([B, K, H], with `seq_grad_row_ids` [B, K] and `cu_seqlens`): the backward adds row
-    `seq_grad_row_ids[i, k]` of sequence i's weight gradient to `seq_grad_rows[i, k]` (the inner product with
-    a tied embedding's per-sequence gradient needs the rows at its input ids). Only the first backward through
-    a call adds to these two; a later one (the loss's, after a norm pass) gives the gradients alone."""
+    N x V logits (chunks of `chunk_size` tokens; default: 16M logits a chunk). `softcap`: the logits
+    hidden @ weight.T + bias are first capped to softcap * tanh(logits / softcap) (Gemma 2/3's
+    `final_logit_softcapping`), then divided by the temperature; every output, gradient and per-sequence
+    norm is that of the capped logits. Autograd to hidden, weight and bias from any upstream gradient of
+    every output. `seq_grad_sq_norm` ([B], with `cu_seqlens`): the backward adds each sequence's squared norm
+    of the weight (and bias) gradient to it. `seq_grad_rows` ([B, K, H], with `seq_grad_row_ids` [B, K] and
+    `cu_seqlens`): the backward adds row `seq_grad_row_ids[i, k]` of sequence i's weight gradient to
+    `seq_grad_rows[i, k]` (the inner product with a tied embedding's per-sequence gradient needs the rows at its
+    input ids). Only the first backward through a call adds to these two; a later one (the loss's, after a
+    norm pass) gives the gradients alone."""
     hidden = require_tensor("hidden", hidden)
     weight = require_tensor("weight", weight)
     targets = require_tensor("targets", targets)
@@ -276,6 +280,9 @@ def linear_logprobs(
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not \
             (0 < temperature < float("inf")):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not
+                                (0 < softcap < float("inf"))):
+        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
     if chunk_size is None:
         chunk_size = max(1, (16 << 20) // max(v, 1))  # 64 MiB of fp32 logits a chunk
     elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
@@ -316,7 +323,8 @@ def linear_logprobs(
             if cu[0] != 0 or cu[-1] != n or any(a > b for a, b in zip(cu, cu[1:])):
                 raise ValueError(f"cu_seqlens must rise from 0 to N = {n}, got {cu}")
     kernel = backends.kernel("linear_logprobs", backend, hidden.device)
-    logp, entropy, sum_p2 = kernel(hidden, weight, targets.long(), bias, float(temperature), ignore_index,
-                                   chunk_size, return_entropy, return_sum_p2, cu_seqlens, seq_grad_sq_norm,
-                                   seq_grad_row_ids, seq_grad_rows)
+    logp, entropy, sum_p2 = kernel(hidden, weight, targets.long(), bias, float(temperature),
+                                   None if softcap is None else float(softcap), ignore_index, chunk_size,
+                                   return_entropy, return_sum_p2, cu_seqlens, seq_grad_sq_norm, seq_grad_row_ids,
+                                   seq_grad_rows)
     return LinearLogprobs(logp, entropy, sum_p2)

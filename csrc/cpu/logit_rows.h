@@ -4,6 +4,8 @@
 //             entropy = log s - sum e (z - m) / s, sum p^2 = sum e^2 / s^2 (shifted by m: no cancellation);
 //   backward: d z = p (c0 + a1 x + a2 p) + a [v = y], x = z - lse = log p, overwriting z, then * scale,
 //             with c0 = -a - e H - 2 q S2, a1 = -e, a2 = 2 q (a, e, q: the upstream gradients).
+// With a cap c > 0 both passes read each logit z as c tanh(z / c) (the max as the capped max: tanh rises), and
+// the backward multiplies its d z by 1 - tanh^2(z / c) as it writes it.
 #pragma once
 
 #include "common.h"
@@ -16,6 +18,7 @@ struct LogitRows {
   int64_t num_rows, vocab;
   const int64_t* targets;
   int64_t ignore_index;
+  acc_t cap;  // 0: no softcap
 };
 
 template <typename acc_t>
@@ -43,17 +46,42 @@ VCPO_INLINE bool target_counts(const LogitRows<acc_t>& r, int64_t t) {
   return r.targets[t] != r.ignore_index;
 }
 
+// tanh u and e = exp(-2 |u|), from which 1 - tanh^2 u = 4 e / (1 + e)^2 stays accurate where tanh rounds to
+// +-1. In fp32 tanh |u| = -expm1(-2 |u|) / (1 + e) with expm1 taken from exp's reduction (r + r^2 q where it
+// leaves the argument alone: no cancellation near 0), a few ulp, and vectorised like exp_fast; NaN stays NaN.
 template <typename acc_t>
-VCPO_INLINE void logit_row_forward(const LogitRows<acc_t>& r, int64_t t, const RowStats<acc_t>& out) {
+struct Tanh {
+  acc_t t, e;
+};
+VCPO_INLINE Tanh<float> tanh_fast(float u) {
+  const float x = -2.0f * std::fabs(u);
+  const ExpParts p = exp_parts(x);
+  const float e = x < -104.0f ? 0.0f : (p.r2q + p.r + 1.0f) * p.scale_lo * p.scale_hi;
+  const float expm1 = p.k == 0 ? p.r + p.r2q : e - 1.0f;
+  return {std::copysign(-expm1 / (1.0f + e), u), e};
+}
+VCPO_INLINE Tanh<double> tanh_fast(double u) { return {std::tanh(u), std::exp(-2 * std::fabs(u))}; }
+
+// The logit as the passes read it: c tanh(z / c) with a cap, else z.
+template <bool kCap, typename acc_t>
+VCPO_INLINE acc_t read_logit(acc_t z, acc_t cap, acc_t inv_cap) {
+  return kCap ? cap * tanh_fast(z * inv_cap).t : z;
+}
+
+template <bool kCap, typename acc_t>
+VCPO_INLINE void row_forward(const LogitRows<acc_t>& r, int64_t t, const RowStats<acc_t>& out) {
   const acc_t* z = r.z + t * r.vocab;
   const int64_t V = r.vocab;
+  const acc_t cap = r.cap, inv_cap = kCap ? 1 / cap : acc_t(0);
   acc_t m = -kInf<acc_t>;
 #pragma omp simd reduction(max : m)
   for (int64_t v = 0; v < V; ++v) m = z[v] > m ? z[v] : m;
+  m = read_logit<kCap>(m, cap, inv_cap);
   acc_t s = 0, sx = 0, s2 = 0;
 #pragma omp simd reduction(+ : s, sx, s2)
   for (int64_t v = 0; v < V; ++v) {
-    const acc_t x = z[v] - m;  // NaN or +inf logits make x, and every output, NaN
+    // NaN logits make x, and every output, NaN; so do +inf ones without a cap (with one they read as c)
+    const acc_t x = read_logit<kCap>(z[v], cap, inv_cap) - m;
     const acc_t e = exp_fast(x);
     s += e;
     sx += e * x;
@@ -62,13 +90,13 @@ VCPO_INLINE void logit_row_forward(const LogitRows<acc_t>& r, int64_t t, const R
   const acc_t log_s = std::log(s), lse = m + log_s;
   out.lse[t] = lse;
   const bool counts = target_counts(r, t);
-  out.logp[t] = counts ? z[r.targets[t]] - lse : acc_t(0);
+  out.logp[t] = counts ? read_logit<kCap>(z[r.targets[t]], cap, inv_cap) - lse : acc_t(0);
   out.entropy[t] = counts ? log_s - sx / s : acc_t(0);
   out.sum_p2[t] = counts ? s2 / (s * s) : acc_t(0);
 }
 
-template <typename acc_t>
-VCPO_INLINE void logit_row_backward(const LogitRows<acc_t>& r, int64_t t, const RowGrads<acc_t>& g) {
+template <bool kCap, typename acc_t>
+VCPO_INLINE void row_backward(const LogitRows<acc_t>& r, int64_t t, const RowGrads<acc_t>& g) {
   acc_t* z = r.z + t * r.vocab;
   const int64_t V = r.vocab;
   if (!target_counts(r, t)) {  // ignored targets contribute nothing
@@ -80,13 +108,37 @@ VCPO_INLINE void logit_row_backward(const LogitRows<acc_t>& r, int64_t t, const 
   const acc_t q = g.g_sum_p2 ? g.g_sum_p2[t] : acc_t(0);
   const acc_t c0 = -a - (e != 0 ? e * g.entropy[t] : acc_t(0)) - (q != 0 ? 2 * q * g.sum_p2[t] : acc_t(0));
   const acc_t a1 = -e * g.scale, a2 = 2 * q * g.scale, c = c0 * g.scale, lse = g.lse[t];
+  const acc_t cap = r.cap, inv_cap = kCap ? 1 / cap : acc_t(0);
+  const int64_t y = r.targets[t];
+  acc_t d_y = a * g.scale;  // the target's one-hot term, chain-ruled before the loop overwrites its logit
+  if constexpr (kCap) {
+    const acc_t e_y = tanh_fast(z[y] * inv_cap).e;
+    d_y *= 4 * e_y / ((1 + e_y) * (1 + e_y));
+  }
 #pragma omp simd
   for (int64_t v = 0; v < V; ++v) {
-    const acc_t x = z[v] - lse;
-    const acc_t p = exp_fast(x);
-    z[v] = p * (c + a1 * x + a2 * p);
+    if constexpr (kCap) {
+      const Tanh<acc_t> th = tanh_fast(z[v] * inv_cap);
+      const acc_t x = cap * th.t - lse;
+      const acc_t p = exp_fast(x);
+      z[v] = p * (c + a1 * x + a2 * p) * (4 * th.e / ((1 + th.e) * (1 + th.e)));
+    } else {
+      const acc_t x = z[v] - lse;
+      const acc_t p = exp_fast(x);
+      z[v] = p * (c + a1 * x + a2 * p);
+    }
   }
-  z[r.targets[t]] += a * g.scale;
+  z[y] += d_y;
+}
+
+template <typename acc_t>
+VCPO_INLINE void logit_row_forward(const LogitRows<acc_t>& r, int64_t t, const RowStats<acc_t>& out) {
+  r.cap > 0 ? row_forward<true>(r, t, out) : row_forward<false>(r, t, out);
+}
+
+template <typename acc_t>
+VCPO_INLINE void logit_row_backward(const LogitRows<acc_t>& r, int64_t t, const RowGrads<acc_t>& g) {
+  r.cap > 0 ? row_backward<true>(r, t, g) : row_backward<false>(r, t, g);
 }
 
 }  // namespace vcpo

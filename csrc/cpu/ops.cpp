@@ -148,28 +148,31 @@ Tensor policy_loss_backward_cpu(const Tensor& grad_loss, const Tensor& logp, con
 }
 
 template <typename acc_t>
-LogitRows<acc_t> logit_rows(const Tensor& logits, const Tensor& targets, int64_t ignore_index) {
+LogitRows<acc_t> logit_rows(const Tensor& logits, const Tensor& targets, int64_t ignore_index,
+                            const std::optional<double>& softcap) {
+  const double cap = logit_softcap(softcap);
   const int64_t n = logits.size(0), vocab = logits.size(1);
   const int64_t* y = targets.data_ptr<int64_t>();
   for (int64_t t = 0; t < n; ++t) {
     TORCH_CHECK(y[t] == ignore_index || (y[t] >= 0 && y[t] < vocab), "vcpo: targets must lie in [0, V) or be ",
                 "ignore_index");
   }
-  return LogitRows<acc_t>{logits.data_ptr<acc_t>(), n, vocab, y, ignore_index};
+  return LogitRows<acc_t>{logits.data_ptr<acc_t>(), n, vocab, y, ignore_index, static_cast<acc_t>(cap)};
 }
 
 // Rows per task: a row is V elements, so a few rows already amortise a task.
 constexpr int64_t kRowsPerTask = 4;
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> logit_rows_forward_cpu(const Tensor& logits, const Tensor& targets,
-                                                                  int64_t ignore_index) {
+                                                                  int64_t ignore_index,
+                                                                  const std::optional<double>& softcap) {
   check_logits(logits, targets, kCpu);
   const int64_t n = logits.size(0);
   const auto opts = logits.options();
   Tensor lse = at::empty({n}, opts), logp = at::empty({n}, opts), entropy = at::empty({n}, opts),
          sum_p2 = at::empty({n}, opts);
   AT_DISPATCH_FLOATING_TYPES(logits.scalar_type(), "vcpo_logit_rows_forward", [&] {
-    const auto rows = logit_rows<scalar_t>(logits, targets, ignore_index);
+    const auto rows = logit_rows<scalar_t>(logits, targets, ignore_index, softcap);
     const RowStats<scalar_t> out{lse.data_ptr<scalar_t>(), logp.data_ptr<scalar_t>(), entropy.data_ptr<scalar_t>(),
                                  sum_p2.data_ptr<scalar_t>()};
     at::parallel_for(0, n, kRowsPerTask, [&](int64_t a, int64_t b) { logit_rows_forward(rows, a, b, out); });
@@ -179,12 +182,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> logit_rows_forward_cpu(const Tensor& 
 
 void logit_rows_backward_cpu(const Tensor& logits, const Tensor& lse, const Tensor& targets, int64_t ignore_index,
                              const OptTensor& g_logp, const OptTensor& g_entropy, const OptTensor& g_sum_p2,
-                             const OptTensor& entropy, const OptTensor& sum_p2, double scale) {
+                             const OptTensor& entropy, const OptTensor& sum_p2, double scale,
+                             const std::optional<double>& softcap) {
   check_logit_rows_backward(logits, lse, targets, g_logp, g_entropy, g_sum_p2, entropy, sum_p2, kCpu);
   const int64_t n = logits.size(0);
   const auto dtype = logits.scalar_type();
   AT_DISPATCH_FLOATING_TYPES(dtype, "vcpo_logit_rows_backward", [&] {
-    const auto rows = logit_rows<scalar_t>(logits, targets, ignore_index);
+    const auto rows = logit_rows<scalar_t>(logits, targets, ignore_index, softcap);
     const RowGrads<scalar_t> g{lse.data_ptr<scalar_t>(),     opt_ptr<scalar_t>(g_logp),  opt_ptr<scalar_t>(g_entropy),
                                opt_ptr<scalar_t>(g_sum_p2), opt_ptr<scalar_t>(entropy), opt_ptr<scalar_t>(sum_p2),
                                static_cast<scalar_t>(scale)};

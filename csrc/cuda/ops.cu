@@ -193,10 +193,12 @@ Tensor policy_loss_backward_cuda(const Tensor& grad_loss, const Tensor& logp, co
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> logit_rows_forward_cuda(const Tensor& logits, const Tensor& targets,
-                                                                   int64_t ignore_index) {
+                                                                   int64_t ignore_index,
+                                                                   const std::optional<double>& softcap) {
   const at::Device device = cuda_device_of(logits, "logits");
   const c10::cuda::CUDAGuard guard(device);
   check_logits(logits, targets, device);
+  const double cap = logit_softcap(softcap);
   const int64_t n = logits.size(0);
   Tensor lse = at::empty({n}, logits.options()), logp = at::empty({n}, logits.options()),
          entropy = at::empty({n}, logits.options()), sum_p2 = at::empty({n}, logits.options());
@@ -208,10 +210,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> logit_rows_forward_cuda(const Tensor&
     Tensor parts = at::empty({bytes}, logits.options().dtype(at::kByte));
     auto* p = reinterpret_cast<SegmentSums<scalar_t>*>(parts.data_ptr());
     logit_segments_kernel<scalar_t><<<n * segments, kThreads, 0, stream>>>(logits.data_ptr<scalar_t>(), vocab,
-                                                                          segments, p);
+                                                                          segments, static_cast<scalar_t>(cap), p);
     logit_rows_merge_kernel<scalar_t><<<blocks_for(n), kThreads, 0, stream>>>(
         logits.data_ptr<scalar_t>(), p, targets.data_ptr<int64_t>(), n, vocab, segments, ignore_index,
-        lse.data_ptr<scalar_t>(), logp.data_ptr<scalar_t>(), entropy.data_ptr<scalar_t>(), sum_p2.data_ptr<scalar_t>());
+        static_cast<scalar_t>(cap), lse.data_ptr<scalar_t>(), logp.data_ptr<scalar_t>(), entropy.data_ptr<scalar_t>(),
+        sum_p2.data_ptr<scalar_t>());
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {lse, logp, entropy, sum_p2};
@@ -219,10 +222,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> logit_rows_forward_cuda(const Tensor&
 
 void logit_rows_backward_cuda(const Tensor& logits, const Tensor& lse, const Tensor& targets, int64_t ignore_index,
                               const OptTensor& g_logp, const OptTensor& g_entropy, const OptTensor& g_sum_p2,
-                              const OptTensor& entropy, const OptTensor& sum_p2, double scale) {
+                              const OptTensor& entropy, const OptTensor& sum_p2, double scale,
+                              const std::optional<double>& softcap) {
   const at::Device device = cuda_device_of(logits, "logits");
   const c10::cuda::CUDAGuard guard(device);
   check_logit_rows_backward(logits, lse, targets, g_logp, g_entropy, g_sum_p2, entropy, sum_p2, device);
+  const double cap = logit_softcap(softcap);
   const int64_t n = logits.size(0);
   const auto dtype = logits.scalar_type();
   if (n == 0) return;
@@ -232,7 +237,7 @@ void logit_rows_backward_cuda(const Tensor& logits, const Tensor& lse, const Ten
     logit_rows_backward_kernel<scalar_t><<<n * segments, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
         logits.data_ptr<scalar_t>(), lse.data_ptr<scalar_t>(), targets.data_ptr<int64_t>(), vocab, segments,
         ignore_index, ptr(g_logp), ptr(g_entropy), ptr(g_sum_p2), ptr(entropy), ptr(sum_p2),
-        static_cast<scalar_t>(scale));
+        static_cast<scalar_t>(scale), static_cast<scalar_t>(cap));
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -5,19 +5,20 @@ from .. import head_chunks
 
 
 @torch.library.register_fake("vcpo::logit_rows_forward")
-def _fake(logits, targets, ignore_index):
+def _fake(logits, targets, ignore_index, softcap):
     n = logits.shape[0]
     return tuple(logits.new_empty((n,)) for _ in range(4))
 
 
 @torch.library.register_fake("vcpo::logit_rows_backward")
-def _fake_backward(logits, lse, targets, ignore_index, g_logp, g_entropy, g_sum_p2, entropy, sum_p2, scale):
+def _fake_backward(logits, lse, targets, ignore_index, g_logp, g_entropy, g_sum_p2, entropy, sum_p2, scale,
+                   softcap):
     return None
 
 
-def _backward_(z, lse, targets, ignore_index, g_logp, g_entropy, g_sum_p2, entropy, sum_p2, scale):
+def _backward_(z, lse, targets, ignore_index, g_logp, g_entropy, g_sum_p2, entropy, sum_p2, scale, cap):
     torch.ops.vcpo.logit_rows_backward(z, lse, targets, ignore_index, g_logp, g_entropy, g_sum_p2, entropy, sum_p2,
-                                       scale)
+                                       scale, cap)
     return z
 
 

@@ -2,7 +2,9 @@
 of logits z [n, V] that the shared chunk loop (vcpo_kernels/head_chunks.py) calls, in z's dtype (float64 for
 float64 inputs). Forward: lse = logsumexp(z), logp = z[y] - lse, entropy = lse - sum p z,
 sum p^2 = exp(logsumexp(2 z) - 2 lse). Backward, in z's buffer:
-    d z = a (onehot(y) - p) - e p (z - E_p[z]) + 2 q p (p - sum p^2),   E_p[z] = lse - entropy."""
+    d z = a (onehot(y) - p) - e p (z - E_p[z]) + 2 q p (p - sum p^2),   E_p[z] = lse - entropy.
+With a cap c the passes first replace z by c tanh(z / c), and the backward multiplies d z by its derivative
+1 - tanh^2(z / c) = cosh(z / c)^-2 (relative even where tanh rounds to +-1)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,9 @@ def _row_dot(a: Tensor, b: Tensor) -> Tensor:
     return (a.unsqueeze(1) @ b.unsqueeze(2)).reshape(-1)
 
 
-def logits_forward(z: Tensor, targets: Tensor, ignore_index: int):
+def logits_forward(z: Tensor, targets: Tensor, ignore_index: int, cap: Optional[float]):
+    if cap is not None:
+        z.div_(cap).tanh_().mul_(cap)  # the chunk's buffer: the loop reads it no more
     keep = targets != ignore_index
     lse = torch.logsumexp(z, -1)
     y = torch.where(keep, targets, 0)
@@ -32,8 +36,13 @@ def logits_forward(z: Tensor, targets: Tensor, ignore_index: int):
 
 def logits_backward_(z: Tensor, lse: Tensor, targets: Tensor, ignore_index: int, g_logp: Optional[Tensor],
                      g_entropy: Optional[Tensor], g_sum_p2: Optional[Tensor], entropy: Optional[Tensor],
-                     sum_p2: Optional[Tensor], scale: float) -> Tensor:
+                     sum_p2: Optional[Tensor], scale: float, cap: Optional[float]) -> Tensor:
     # d z = p * (a0 + a1 z + a2 p) + a [v = y]: formed in z's buffer, so at most two chunks of logits are alive
+    # (three with a cap: the tanh's derivative)
+    d_cap = None
+    if cap is not None:
+        d_cap = torch.div(z, cap).cosh_().pow_(-2)
+        z.div_(cap).tanh_().mul_(cap)
     p = torch.sub(z, lse[:, None]).exp_()
     a0 = torch.zeros_like(lse)
     if g_logp is not None:
@@ -50,6 +59,8 @@ def logits_backward_(z: Tensor, lse: Tensor, targets: Tensor, ignore_index: int,
     keep = targets != ignore_index
     if g_logp is not None:
         dz.scatter_add_(-1, torch.where(keep, targets, 0)[:, None], g_logp[:, None])
+    if d_cap is not None:
+        dz.mul_(d_cap)
     return dz.mul_(keep.to(dz.dtype)[:, None] * scale)  # ignored targets contribute nothing
 
 
