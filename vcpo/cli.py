@@ -53,6 +53,10 @@ SETTING_HELP = {
     "weight_swap": "engine server: requests in flight during a weight sync: wait (finish on the old weights), "
                    "keep (continue on the new ones) or abort (start again)",
     "engine_timeout": "engine server: seconds without an answer before a server is marked down",
+    "weight_transfer": "engine server: how new weights reach the servers: storage (through weights_dir) or nccl "
+                       "(from the trainer's GPU to the servers' GPUs, vLLM's NCCL engine; docs/scale.md)",
+    "weight_transfer_host": "weight transfer nccl: this machine's address the servers join the NCCL groups at "
+                            "(default: its address on the route to each server)",
 }
 
 

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import os
+import socket
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
@@ -31,6 +32,7 @@ LOSS_PRESETS: dict[str, dict[str, Any]] = {
 }
 ENGINE_MODES = ("process", "inprocess", "server")
 WEIGHT_SWAPS = ("wait", "keep", "abort")
+WEIGHT_TRANSFERS = ("storage", "nccl")  # docs/scale.md, "Weight transfer over NCCL"
 
 
 @dataclass
@@ -76,6 +78,8 @@ class TrainConfig:
     weights_dir: Optional[str] = None  # where the servers read new weights; default <run>/.weights
     weight_swap: str = "wait"  # what requests in flight do during a weight sync: wait, keep, abort
     engine_timeout: float = 600.0  # seconds without an answer before a server is marked down
+    weight_transfer: str = "storage"  # how new weights reach the servers: storage (weights_dir) or nccl
+    weight_transfer_host: Optional[str] = None  # nccl: this machine's address for the servers (default: per route)
 
     @property
     def builtin(self) -> bool:
@@ -160,6 +164,7 @@ class TrainConfig:
                     raise ValueError(f"{name} is a setting of the server pool: add --engine server")
             return
         if (self.engine_urls is None) == (self.engine_servers is None):
+        self._validate_weight_transfer()
             raise ValueError("engine: server needs exactly one of engine_urls (running servers) and engine_servers "
                              "(how many to start here)")
         if self.engine_servers is not None:
@@ -174,6 +179,34 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def _validate_weight_transfer(self) -> None:
+        if self.weight_transfer not in WEIGHT_TRANSFERS:
+            raise ValueError(f"weight_transfer must be one of {list(WEIGHT_TRANSFERS)}, got {self.weight_transfer!r}")
+        if self.weight_transfer == "storage":
+            if self.weight_transfer_host is not None:
+                raise ValueError("weight_transfer_host is a setting of the NCCL transfer: add --weight-transfer nccl")
+            return
+        if self.engine != "server":
+            raise ValueError("weight_transfer: nccl is a setting of the server pool: add --engine server")
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("weight_transfer: nccl sends the weights from the trainer's GPU, and this machine has no "
+                             "CUDA device: use weight_transfer storage")
+        gpus = torch.cuda.device_count()
+        if self.engine_servers is not None and isinstance(self.engine_servers, int) and gpus <= self.engine_servers:
+            raise ValueError(f"weight_transfer: nccl with engine_servers {self.engine_servers} needs "
+                             f"{self.engine_servers + 1} GPUs, one for the trainer and one per server (NCCL cannot "
+                             f"put two ranks of a group on one GPU); this machine has {gpus}")
+        if self.weight_transfer_host is not None:
+            host = self.weight_transfer_host
+            try:  # binding it is what the rendezvous will do
+                with socket.create_server((host, 0), family=socket.getaddrinfo(host, 0)[0][0]):
+                    pass
+            except (OSError, TypeError, UnicodeError) as e:
+                raise ValueError(f"weight_transfer_host must be an address of this machine that the servers can "
+                                 f"reach, got {host!r} ({type(e).__name__}: {e})") from None
 
 
 def parse_cores(spec: str, name: str = "cores") -> list[int]:

@@ -4,11 +4,12 @@ RolloutEngine (generate, load_weights, close).
 - Generation: one `POST /inference/v1/generate` per prompt (token ids in; n completions out with their token
   ids, the sampled tokens' log-probs and the weight version of every token), sent to the server with the least
   outstanding work. Connection pooling, timeouts and retries with backoff come from httpx.
-- Weight sync: the weights are written once (safetensors) to `weights_dir`, then every server, in parallel,
-  pauses (`/pause?mode=wait|keep|abort`), reloads them (`/collective_rpc reload_weights`), labels them with the
-  policy version (`/update_weight_version`) and resumes. vLLM's engine tags each generated token with the label
-  of the weights that produced it, so a sample's versions are exact even when weights change while it is
-  being generated (`keep`).
+- Weight sync: every server, in parallel, pauses (`/pause?mode=wait|keep|abort`), takes the new weights, labels
+  them with the policy version (`/update_weight_version`) and resumes. The weights travel by `weight_transfer`:
+  `storage` writes them once (safetensors) to `weights_dir` and each server reloads them from there
+  (`/collective_rpc reload_weights`); `nccl` sends them from the trainer's GPU to each server's GPUs with vLLM's
+  NCCL engine (weight_transfer.py). vLLM's engine tags each generated token with the label of the weights that
+  produced it, so a sample's versions are exact even when weights change while it is being generated (`keep`).
 - Faults: a server that times out, or fails a request and then its /health check, is marked down; its requests
   are sent to the others. With every server down, EngineUnavailable names them all."""
 
@@ -24,6 +25,7 @@ from typing import Callable, Optional, Sequence
 import httpx
 import torch
 
+from .config import WEIGHT_TRANSFERS
 from .engine import Completion, unique_tensors
 
 WEIGHT_SWAPS = ("wait", "keep", "abort")
@@ -35,6 +37,10 @@ class EngineUnavailable(RuntimeError):
 
 class WeightSyncError(RuntimeError):
     """A server that is up could not take new weights (say, a model of another architecture)."""
+
+
+class TransferError(RuntimeError):
+    """A server's NCCL weight transfer failed and was stopped (weight_transfer.py); handled as a failed reload."""
 
 
 def check_reachable(urls: Sequence[str], setting: str = "engine_urls", timeout: float = 5.0) -> None:
@@ -74,7 +80,7 @@ class Server:
 
 @dataclass
 class PoolStats:
-    write_seconds: float = 0.0  # writing the safetensors file, all syncs
+    write_seconds: float = 0.0  # writing the safetensors file, all syncs (storage transfer)
     resent: int = 0  # requests sent again after their server failed
     aborted: int = 0  # requests aborted by a sync in `abort` mode and sent again from their prompt
 
@@ -86,13 +92,27 @@ class ServerPool:
     concurrent_sync = True  # the producer may load weights while a batch is being generated
 
     def __init__(self, urls: Sequence[str], *, weights_dir: str, weight_swap: str = "wait", timeout: float = 600.0,
-                 retries: int = 3, backoff: float = 0.5, log: Callable[[str], None] = print) -> None:
+                 retries: int = 3, backoff: float = 0.5, weight_transfer: str = "storage",
+                 weight_transfer_host: Optional[str] = None, device: Optional[torch.device] = None,
+                 log: Callable[[str], None] = print) -> None:
+        """`weight_transfer` nccl: `device` is the trainer's GPU the weights are sent from (default: the current
+        CUDA device of the calling thread), `weight_transfer_host` the address the servers join it at."""
         if weight_swap not in WEIGHT_SWAPS:
             raise ValueError(f"weight_swap must be one of {list(WEIGHT_SWAPS)}, got {weight_swap!r}")
+        if weight_transfer not in WEIGHT_TRANSFERS:
+            raise ValueError(f"weight_transfer must be one of {list(WEIGHT_TRANSFERS)}, got {weight_transfer!r}")
         self.servers = [Server(u.rstrip("/")) for u in urls]
         self.weights_dir, self.weight_swap, self.timeout = weights_dir, weight_swap, timeout
         self.retries, self.backoff, self.log = retries, backoff, log
         self.stats = PoolStats()
+        self._nccl = None
+        if weight_transfer == "nccl":
+            from .weight_transfer import NCCLTransfer
+
+            if device is None and torch.cuda.is_available():
+                device = torch.device("cuda", torch.cuda.current_device())
+            self._nccl = NCCLTransfer(device=device, host=weight_transfer_host, timeout=timeout, log=log)
+        self._weights_from = f"weights in {weights_dir}" if self._nccl is None else "weights sent over NCCL"
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vcpo-pool", daemon=True)
         self._thread.start()
@@ -116,8 +136,11 @@ class ServerPool:
     # -- start-up checks ------------------------------------------------------------------------------------------
     def check(self, *, setting: str, probe_text: str, probe_ids: list[int], max_model_len: int) -> None:
         """Each server is reachable (within seconds), serves a model with the trainer's tokenizer and a long
-        enough context, and has the endpoints the pool needs; else ValueError naming `setting` and the URL."""
+        enough context, and has the endpoints the pool needs (with weight_transfer nccl: vLLM's NCCL engine, whose
+        groups are then set up); else ValueError naming `setting` and the URL."""
         self._call(_all(*(self._check(s, setting, probe_text, probe_ids, max_model_len) for s in self.servers)))
+        if self._nccl is not None:
+            self._call(self._nccl.connect(self.urls, setting, self._healthy_url))
 
     async def _check(self, s: Server, setting: str, probe_text: str, probe_ids: list[int], max_len: int) -> None:
         try:
@@ -140,6 +163,8 @@ class ServerPool:
         if paused.status_code == 404:
             raise ValueError(f"{setting}: {s.url} has no weight-sync endpoints: start it with "
                              f"VLLM_SERVER_DEV_MODE=1")
+        if self._nccl is not None:
+            await self._nccl.check(self._client, s.url, setting)
 
     # -- generation -------------------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], *, n: int, max_tokens: int, temperature: float,
@@ -212,8 +237,11 @@ class ServerPool:
         return response.json()
 
     async def _healthy(self, server: Server) -> bool:
+        return await self._healthy_url(server.url)
+
+    async def _healthy_url(self, url: str) -> bool:
         try:
-            return (await self._client.get(server.url + "/health", timeout=3.0)).status_code == 200
+            return (await self._client.get(url + "/health", timeout=3.0)).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -229,21 +257,28 @@ class ServerPool:
 
     # -- weight sync ----------------------------------------------------------------------------------------------
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """Write `state` once to weights_dir, then every server that is up reloads it and labels its tokens with
-        `version` from then on (in parallel)."""
-        from safetensors.torch import save_file
+        """Every server that is up takes `state` (storage: written once to weights_dir, then reloaded by each;
+        nccl: sent to each) and labels its tokens with `version` from then on (in parallel)."""
+        if self._nccl is None:
+            from safetensors.torch import save_file
 
-        t0 = time.perf_counter()
-        os.makedirs(self.weights_dir, exist_ok=True)
-        tmp = os.path.join(self.weights_dir, "model.safetensors.tmp")
-        save_file({k: v.contiguous() for k, v in unique_tensors(state).items()}, tmp)
-        os.replace(tmp, os.path.join(self.weights_dir, "model.safetensors"))
-        self.stats.write_seconds += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            os.makedirs(self.weights_dir, exist_ok=True)
+            tmp = os.path.join(self.weights_dir, "model.safetensors.tmp")
+            save_file({k: v.contiguous() for k, v in unique_tensors(state).items()}, tmp)
+            os.replace(tmp, os.path.join(self.weights_dir, "model.safetensors"))
+            self.stats.write_seconds += time.perf_counter() - t0
+        elif self._nccl.source is None:
+            raise RuntimeError("weight_transfer nccl: ServerPool.check sets up the NCCL groups; call it first")
+        else:
+            self._nccl.prepare(state)
         self._call(self._reload_all(version))
 
     async def _reload_all(self, version: int) -> None:
         self._pick()  # EngineUnavailable when none is up
         await asyncio.gather(*(self._reload(s, version) for s in self.up()))
+        if self._nccl is not None and self._nccl.broken:
+            raise WeightSyncError(f"{self._nccl.broken}: the trainer's GPU cannot send more weights")
         self._pick()
 
     async def _reload(self, s: Server, version: int) -> None:
@@ -251,28 +286,36 @@ class ServerPool:
         try:
             await self._control(s, f"/pause?mode={self.weight_swap}")
             try:
-                await self._control(s, "/collective_rpc",
-                                    {"method": "reload_weights", "kwargs": {"weights_path": self.weights_dir}})
+                await self._take_weights(s)
                 await self._control(s, "/update_weight_version", {"new_version": str(version)})
             finally:
                 await self._control(s, "/resume")
-        except httpx.TransportError as e:
+        except (httpx.TransportError, TransferError) as e:
             if not await self._healthy(s):  # it died: it would serve old weights; the others carry on
                 self._mark_down(s, f"weight sync failed: {type(e).__name__}: {e}")
                 return
-            raise WeightSyncError(f"{s.url} failed to load the weights in {self.weights_dir} "
+            raise WeightSyncError(f"{s.url} failed to load the {self._weights_from} "
                                   f"({type(e).__name__}: {e}); see its log") from None
         s.reload_seconds.append(time.perf_counter() - t0)
+
+    async def _take_weights(self, s: Server) -> None:
+        if self._nccl is None:
+            await self._control(s, "/collective_rpc",
+                                {"method": "reload_weights", "kwargs": {"weights_path": self.weights_dir}})
+        else:
+            await self._nccl.send(s.url, self._healthy_url)
 
     async def _control(self, s: Server, path: str, body: Optional[dict] = None) -> None:
         response = await self._client.post(s.url + path, json=body)
         if response.status_code != 200:
             raise WeightSyncError(f"{s.url}{path.split('?')[0]} failed ({response.status_code}): "
-                                  f"{response.text[:500]} (weights in {self.weights_dir})")
+                                  f"{response.text[:500]} ({self._weights_from})")
 
     def close(self) -> None:
         if self._loop.is_closed():
             return
+        if self._nccl is not None:
+            self._nccl.close()
         self._call(self._client.aclose())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()

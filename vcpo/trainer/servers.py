@@ -3,7 +3,7 @@ servers on this machine, each on its own cores (CPU) or GPU, and stops them by t
 
 A pool server needs `VLLM_SERVER_DEV_MODE=1` (the /pause, /resume, /collective_rpc and /update_weight_version
 endpoints) and `--enable-scale-out` (/inference/v1/generate, whose answers carry the weight version of every
-token); LocalServers sets both (docs/scale.md)."""
+token); LocalServers sets both, and `--weight-transfer-config` for `weight_transfer: nccl` (docs/scale.md)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,11 @@ import tempfile
 import time
 from typing import Callable, Optional, Sequence
 
+from .config import WEIGHT_TRANSFERS
+
 POOL_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 POOL_ARGS = ["--enable-scale-out"]
+NCCL_SERVER_ARGS = ["--weight-transfer-config", '{"backend": "nccl"}']  # vLLM's NCCL weight-transfer engine
 PARENT_ENV, TMPDIR_ENV = "VCPO_SERVER_PARENT", "VCPO_SERVER_TMPDIR"  # set by LocalServers for `vcpo serve`
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -74,10 +77,12 @@ def _end_with_parent() -> None:
         sys.exit(f"vcpo serve: the trainer (pid {parent}) is gone")
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now (the server binds it a moment later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` (an address of this machine) that nothing listens on now (it is bound a moment
+    later)."""
+    family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -103,15 +108,19 @@ class LocalServers:
     def __init__(self, model: str, count: int, *, log_dir: str, dtype: str, max_model_len: int,
                  kv_cache_gib: float, seed: int, cores: Optional[list[list[int]]] = None,
                  gpus: Optional[list[str]] = None, gpu_memory_utilization: float = 0.5,
-                 log: Callable[[str], None] = print) -> None:
+                 weight_transfer: str = "storage", log: Callable[[str], None] = print) -> None:
         if count < 1:
             raise ValueError(f"engine_servers must be an integer >= 1, got {count!r}")
+        if weight_transfer not in WEIGHT_TRANSFERS:
+            raise ValueError(f"weight_transfer must be one of {list(WEIGHT_TRANSFERS)}, got {weight_transfer!r}")
         self.model, self.count, self.log_dir, self.log = model, count, log_dir, log
         self.args = ["--dtype", dtype, "--max-model-len", str(max_model_len), "--enforce-eager",
                      "--no-enable-prefix-caching", "--max-logprobs", "1", "--seed", str(seed),
                      "--disable-uvicorn-access-log", *POOL_ARGS]
         if gpus is not None:
             self.args += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+        if weight_transfer == "nccl":
+            self.args += NCCL_SERVER_ARGS
         self.kv_cache_gib, self.cores, self.gpus = kv_cache_gib, cores, gpus
         self.procs: list[subprocess.Popen] = []
         self.tmp_dirs: list[str] = []
