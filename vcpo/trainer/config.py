@@ -158,13 +158,13 @@ class TrainConfig:
         if isinstance(self.engine_timeout, bool) or not isinstance(self.engine_timeout, (int, float)) or \
                 not self.engine_timeout > 0 or not math.isfinite(self.engine_timeout):
             raise ValueError(f"engine_timeout must be a finite number of seconds > 0, got {self.engine_timeout!r}")
+        self._validate_weight_transfer()
         if self.engine != "server":
             for name in ("engine_urls", "engine_servers", "weights_dir"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name} is a setting of the server pool: add --engine server")
             return
         if (self.engine_urls is None) == (self.engine_servers is None):
-        self._validate_weight_transfer()
             raise ValueError("engine: server needs exactly one of engine_urls (running servers) and engine_servers "
                              "(how many to start here)")
         if self.engine_servers is not None:
@@ -173,12 +173,6 @@ class TrainConfig:
                 raise ValueError(f"engine_servers must be an integer >= 1, got {v!r}")
         else:
             parse_urls(self.engine_urls)
-
-    def server_urls(self) -> list[str]:
-        return parse_urls(self.engine_urls) if self.engine_urls is not None else []
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
     def _validate_weight_transfer(self) -> None:
         if self.weight_transfer not in WEIGHT_TRANSFERS:
@@ -207,6 +201,12 @@ class TrainConfig:
             except (OSError, TypeError, UnicodeError) as e:
                 raise ValueError(f"weight_transfer_host must be an address of this machine that the servers can "
                                  f"reach, got {host!r} ({type(e).__name__}: {e})") from None
+
+    def server_urls(self) -> list[str]:
+        return parse_urls(self.engine_urls) if self.engine_urls is not None else []
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 def parse_cores(spec: str, name: str = "cores") -> list[int]:
