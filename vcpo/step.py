@@ -187,7 +187,7 @@ def _plan(batch: RolloutBatch, config: VCPOConfig, process_group) -> _Plan:
     group_of, widths, (spans, total, longest) = values[:b], values[b:2 * b], values[2 * b:]
     ng = batch.num_groups if batch.num_groups is not None else int(max(group_of, default=0)) + 1
     if batch.group_index is not None and not all(0 <= g < ng for g in group_of):
-        raise ValueError(f"group_index must be in [0, num_groups) = [0, {ng}), got {sorted(set(group_of))}")
+        raise ValueError(f"group_index must be in [0, num_groups) = [0, {ng}), got {sorted({int(g) for g in group_of})}")
     members: dict = {}
     for i, g in enumerate(group_of):
         members.setdefault(g, []).append(i)
