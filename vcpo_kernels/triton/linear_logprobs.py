@@ -26,8 +26,9 @@ def _capped(z, cap):
     of 1 (so the capped logit within an ulp of c), and 1 - tanh^2 = 4 e / (1 + e)^2, relative even where tanh
     rounds to +-1. NaN stays NaN."""
     e = tl.exp(-2 * tl.abs(z / cap))
-    t = (1 - e) / (1 + e)
-    return tl.where(z < 0, -t, t) * cap, 4 * e / ((1 + e) * (1 + e))
+    inv = 1 / (1 + e)
+    t = (1 - e) * inv
+    return tl.where(z < 0, -t, t) * cap, 4 * e * inv * inv
 
 
 @triton.jit
