@@ -115,6 +115,31 @@ def test_weight_sync_reaches_every_server_and_versions_are_exact(servers, tmp_pa
         pool.close()
 
 
+def test_nccl_transfer_refuses_servers_without_its_flag(servers, tmp_path):
+    """weight_transfer nccl: the start-up check names a server started without --weight-transfer-config (the
+    fixture's), before anything needs a GPU; the check's probe leaves the servers serving."""
+    import httpx
+
+    from vcpo.trainer.pool import ServerPool
+
+    tok = tiny.build_tokenizer()
+    pool = ServerPool(servers, weights_dir=str(tmp_path / "unused"), weight_transfer="nccl")
+    try:
+        with pytest.raises(ValueError) as refused:
+            pool.check(setting="engine_urls", probe_text="12+34=", max_model_len=64,
+                       probe_ids=tok.encode("12+34=", add_special_tokens=False))
+        message = str(refused.value)
+        assert any(message.startswith(f"engine_urls: {url} has no NCCL weight-transfer engine") for url in servers)
+        assert message.endswith("""needs servers started with --weight-transfer-config '{"backend": "nccl"}'""")
+        for url in servers:
+            done = httpx.post(url + "/v1/completions", timeout=60, json={"prompt": [tiny.BOS] + tok.encode("1+2="),
+                                                                        "max_tokens": 2, "ignore_eos": True,
+                                                                        "return_token_ids": True})
+            assert done.status_code == 200 and len(done.json()["choices"][0]["token_ids"]) == 2
+    finally:
+        pool.close()
+
+
 def run_cli(args, env, timeout=900):
     return subprocess.run([sys.executable, "-m", "vcpo.cli", "train", *args], env=env, capture_output=True,
                           text=True, timeout=timeout)

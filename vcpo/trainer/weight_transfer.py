@@ -132,8 +132,10 @@ class NCCLTransfer:
         flag. An empty init request is refused by the server either way, but the refusal names its engine, or
         says there is none (a server without --weight-transfer-config); nothing is set up by it."""
         try:
-            answer = await client.post(url + "/init_weight_transfer_engine", json={"init_info": {}}, timeout=30.0)
             world = (await client.get(url + "/get_world_size", timeout=30.0)).json()["world_size"]
+            # the server closes the connection after an error it raised (uvicorn): not one to reuse
+            answer = await client.post(url + "/init_weight_transfer_engine", json={"init_info": {}}, timeout=30.0,
+                                       headers={"Connection": "close"})
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{setting}: {url}: the NCCL weight-transfer check failed ({type(e).__name__}: {e})") \
                 from None
