@@ -195,8 +195,8 @@ class TrainConfig:
                              f"put two ranks of a group on one GPU); this machine has {gpus}")
         if self.weight_transfer_host is not None:
             host = self.weight_transfer_host
-            try:  # binding it is what the rendezvous will do
-                with socket.create_server((host, 0), family=socket.getaddrinfo(host, 0)[0][0]):
+            try:  # binding it is what vLLM's rendezvous will do, on IPv4
+                with socket.create_server((host, 0)):
                     pass
             except (OSError, TypeError, UnicodeError) as e:
                 raise ValueError(f"weight_transfer_host must be an address of this machine that the servers can "

@@ -78,10 +78,9 @@ def _end_with_parent() -> None:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on `host` (an address of this machine) that nothing listens on now (it is bound a moment
+    """A TCP port on `host` (an IPv4 address of this machine) that nothing listens on now (it is bound a moment
     later)."""
-    family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
-    with socket.socket(family, socket.SOCK_STREAM) as s:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 

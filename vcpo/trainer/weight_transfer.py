@@ -69,9 +69,6 @@ class _Client:
     def finish_weight_update(self, weight_version: Optional[str] = None) -> None:
         self._call("finish_weight_update", weight_version)
 
-    def shutdown_weight_transfer_engine(self) -> None:
-        self._call("shutdown_weight_transfer_engine")
-
 
 class _StateSource(WeightSource):
     """The weights of the sync under way (set by NCCLTransfer.prepare), on the trainer's GPU as each is sent;
@@ -90,11 +87,10 @@ class _StateSource(WeightSource):
 
 
 def route_address(url: str) -> str:
-    """This machine's address on the route to the server at `url`: one the server can reach it at (no packet is
-    sent: connecting a UDP socket only picks the route)."""
-    host = urlsplit(url).hostname
-    family, kind, proto, _, address = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
-    with socket.socket(family, kind, proto) as s:
+    """This machine's IPv4 address (vLLM's rendezvous listens on IPv4) on the route to the server at `url`: one
+    the server can reach it at. No packet is sent: connecting a UDP socket only picks the route."""
+    address = socket.getaddrinfo(urlsplit(url).hostname, 9, family=socket.AF_INET, type=socket.SOCK_DGRAM)[0][4]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect(address)
         return s.getsockname()[0]
 
@@ -180,8 +176,10 @@ class NCCLTransfer:
                 lambda: WeightTransferTrainerFactory.trainer_init(info, client=client, source=self.source),
                 f"vcpo-nccl-init {url}", problem, HANDSHAKE_SECONDS)
         except TransferError as e:
-            raise ValueError(f"{setting}: {url} did not join the NCCL group at {host}:{port} ({e}); it must reach "
-                             f"that address (weight_transfer_host) and run with {SERVER_FLAG}") from None
+            if client.error is not None:  # the server answered: its own error
+                raise ValueError(f"{setting}: {url} failed to join the NCCL group at {host}:{port}: {e}") from None
+            raise ValueError(f"{setting}: {url} did not join the NCCL group at {host}:{port} ({e}): it must reach "
+                             f"that address (set weight_transfer_host to one it can)") from None
         self.log(f"NCCL weight transfer to {url}: trainer {self.device} + {world - 1} worker(s), rendezvous "
                  f"{host}:{port}, ready in {time.perf_counter() - t0:.1f} s")
 
@@ -198,6 +196,8 @@ class NCCLTransfer:
         async with self._sending:
             if self.broken:
                 raise TransferError(self.broken)
+            if url not in self.engines:
+                raise TransferError(f"no NCCL group with {url}: an earlier transfer to it failed")
             engine = self.engines[url]
             client = engine.client
             client.error = None
