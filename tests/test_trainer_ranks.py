@@ -1,0 +1,96 @@
+"""`vcpo train` on 2 trainer ranks (torchrun, gloo, real torch.distributed) with rank 0's vLLM engine in its own
+processes: the same steps as one rank on the whole batch, and resumes that change the number of ranks."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm")
+
+COMMON = ["--engine", "process", "--prompts-per-step", "4", "--responses-per-prompt", "4", "--eval-size", "16",
+          "--eval-every", "0", "--checkpoint-every", "2", "--warm-start-steps", "30", "--no-progress",
+          "--max-staleness", "0"]
+COMPARED = ("reward", "loss", "ess_ratio", "lr_scale", "grad_norm", "grad_sq_norm_mean", "baseline_mean",
+            "advantage_abs_mean")
+
+
+def train(args, env, launcher=("-m", "vcpo.cli", "train")):
+    proc = subprocess.run([sys.executable, *launcher, *args], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def test_two_ranks_take_the_steps_of_one_and_resume_with_any_number(tmp_path):
+    env = {**os.environ, "VCPO_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+    one, mixed = tmp_path / "one", tmp_path / "mixed"
+    train([*COMMON, "--steps", "6", "--output-dir", str(one)], env)
+    train([*COMMON, "--steps", "2", "--trainer-ranks", "2", "--output-dir", str(mixed)], env)
+    train(["--resume", str(mixed), "--steps", "4", "--trainer-ranks", "1", "--no-progress"], env)  # 2 -> 1
+    train(["--resume", str(mixed), "--steps", "6", "--trainer-ranks", "2", "--no-progress"], env,  # 1 -> 2
+          launcher=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "vcpo.trainer"))
+
+    reference, rows = read_jsonl(one / "metrics.jsonl"), read_jsonl(mixed / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [r["step"] for r in reference] == list(range(1, 7))
+    for ref, row in zip(reference, rows):  # k = 0: the same samples, so the same whole-batch step
+        for key in COMPARED:
+            assert row[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (row["step"], key)
+    uids = [tuple(r["uid"]) for r in read_jsonl(mixed / "rollouts.jsonl")]
+    assert len(uids) == len(set(uids)) == 6 * 16
+    assert uids == [tuple(r["uid"]) for r in read_jsonl(one / "rollouts.jsonl")]
+    assert json.load(open(mixed / "config.json"))["settings"]["trainer_ranks"] == 2
+
+
+def test_rank_settings_are_checked_before_launch(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "vcpo.cli", "train", "--prompts-per-step", "3", "--trainer-ranks",
+                           "2", "--output-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "prompts_per_step (3) must be a multiple of trainer_ranks (2)" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "vcpo.cli", "train", "--trainer-ranks", "0"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "trainer_ranks must be an integer >= 1" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "vcpo.cli", "train", "--engine", "inprocess", "--trainer-ranks", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "trainer_ranks > 1 needs engine process or server" in proc.stderr
+
+
+def test_a_rank_launched_among_another_count_is_refused(monkeypatch):
+    from vcpo.trainer.ranks import TrainerRanks
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match="trainer_ranks is 2 but this process was launched among 3"):
+        TrainerRanks(2, 4, timeout_s=10)
+
+
+def test_a_killed_rank_ends_the_run_and_the_last_checkpoint_resumes(tmp_path):
+    import signal
+    import time
+
+    import psutil
+
+    env = {**os.environ, "VCPO_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+    folder = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "vcpo.cli", "train", *COMMON, "--steps", "500", "--trainer-ranks",
+                             "2", "--output-dir", str(folder)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 600
+    while not (folder / "checkpoints" / "step-000002").is_dir():
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-5000:]
+        time.sleep(0.1)
+    ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "vcpo.trainer" in " ".join(p.cmdline())]
+    follower = next(p for p in ranks if p.environ().get("RANK") == "1")
+    follower.send_signal(signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0 and "rank      : 1" in err and "SIGKILL" in err
+    for p in ranks:
+        assert not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+    done = int(sorted(os.listdir(folder / "checkpoints"))[-1].split("-")[1])
+    proc = train(["--resume", str(folder), "--steps", str(done + 2), "--trainer-ranks", "1", "--no-progress"], env)
+    assert f"resuming {folder} from step {done}" in proc.stdout + proc.stderr
+    assert [r["step"] for r in read_jsonl(folder / "metrics.jsonl")] == list(range(1, done + 3))
