@@ -69,7 +69,7 @@ def _batch(model, with_old=False, seed=1):
     cols = torch.arange(t)
     attention = (cols < torch.tensor(LENGTHS)[:, None]).long()
     loss_mask = attention * (cols >= torch.tensor(PROMPTS)[:, None])
-    dtype = next(model.parameters()).dtype
+    dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)  # the log-probs' dtype
     with torch.no_grad():
         current = torch.zeros(b, t, dtype=dtype)
         current[:, 1:] = token_logp(model(input_ids=ids, attention_mask=attention).logits[:, :-1], ids[:, 1:])
@@ -177,6 +177,20 @@ def test_micro_batches_in_float64(path, monkeypatch):
     ref = dict(options, assembly="two_pass") if kind == "recompute" else options
     got = _run("llama", False, options, 3, monkeypatch, dtype=torch.float64)
     _check(got, _whole("llama", False, tuple(sorted(ref.items())), torch.float64), 3, options, kind, tol=1e-10)
+
+
+def test_micro_batches_in_bfloat16(monkeypatch):
+    """A bf16 model: log-probs and norms in fp32, the coefficients in fp64, the update rounded to bf16 (and the
+    micro-batches' shorter GEMMs round differently): the whole batch's step to bf16 accuracy."""
+    got = _run("llama", False, {}, 3, monkeypatch, dtype=torch.bfloat16)
+    with pytest.MonkeyPatch.context() as mp:
+        want = _run("llama", False, {}, None, mp, dtype=torch.bfloat16)
+    assert got["spy"].forwards == 3 and got["spy"].assembled == 3
+    for key in ("ess_ratio", "lr_scale", "grad_norm", "grad_sq_norm_mean", "loss", "baseline_mean"):
+        assert got["metrics"][key] == pytest.approx(want["metrics"][key], rel=2e-2, abs=1e-3), key
+    flat = lambda u: torch.cat([x.float().reshape(-1) for x in u])  # noqa: E731
+    a, b = flat(got["update"]), flat(want["update"])
+    assert torch.linalg.vector_norm(a - b) <= 2e-2 * torch.linalg.vector_norm(b)
 
 
 class _DirectDownProj(torch.nn.Module):

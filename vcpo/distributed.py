@@ -13,7 +13,8 @@ group indices are global (a prompt's responses may sit on several ranks). Each r
 part of the whole batch's loss times the world size, with the counts `loss_agg_mode` divides by (the tokens
 sum_j L_j, the valid sequences B') taken over all ranks, and `norm_length` defaulting to the longest padded
 length of any rank: averaging the ranks' gradients, as data parallelism does, gives the whole batch's gradient
-however unevenly tokens, valid sequences and padding fall on the ranks.
+however unevenly tokens, valid sequences and padding fall on the ranks. The loss's other statistics (KL, clip
+fractions, counts) are the rank's own; vcpo.step sums them over the ranks.
 """
 
 from __future__ import annotations
