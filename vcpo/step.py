@@ -56,24 +56,27 @@ def token_logp(logits: Tensor, targets: Tensor) -> Tensor:
     return torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
-# Config fields of models whose logits are not the plain LM head's output (softcapped or rescaled).
-_LOGIT_MODIFIERS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_logits_scale")
+# Config fields of models whose logits are rescaled after the LM head (the fused op cannot follow them).
+_LOGIT_SCALES = ("logit_scale", "logits_scaling", "output_logits_scale")
 
 
 def _fused_head_parts(model: nn.Module):
-    """(body returning the last hidden states, LM head, input embedding) of a Hugging Face causal LM."""
+    """(body returning the last hidden states, LM head, input embedding, softcap of the logits or None) of a
+    Hugging Face causal LM; the softcap (Gemma 2/3's final_logit_softcapping) is applied by the fused op."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     body = getattr(model, "base_model", None)
     if not isinstance(head, nn.Linear) or body is None or body is model:
         raise ValueError("fused_lm_head=True needs a Hugging Face causal LM whose get_output_embeddings() is an "
                          f"nn.Linear and whose base_model returns the last hidden states; got {type(model).__name__}")
     config = getattr(model, "config", None)
-    for name in _LOGIT_MODIFIERS:
-        if getattr(config, name, None) not in (None, 1, 1.0):
-            raise ValueError(f"fused_lm_head=True: {type(model).__name__} modifies its logits ({name} = "
-                             f"{getattr(config, name)!r}); use fused_lm_head=False")
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in _LOGIT_SCALES:
+        for c in (config, text):
+            if getattr(c, name, None) not in (None, 1, 1.0):
+                raise ValueError(f"fused_lm_head=True: {type(model).__name__} rescales its logits ({name} = "
+                                 f"{getattr(c, name)!r}); use fused_lm_head=False")
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    return body, head, embedding
+    return body, head, embedding, getattr(text, "final_logit_softcapping", None)
 
 
 def _bookkeeping_exact(config: VCPOConfig, batch: RolloutBatch) -> bool:
@@ -408,7 +411,7 @@ class _FusedHead:
     sequence's input ids, from which the cross term <g_emb_i, g_head_i> follows (docs/grad_norms.md)."""
 
     def __init__(self, model: nn.Module, batch: RolloutBatch, mask: Tensor, config: VCPOConfig, record: bool):
-        self.body, self.head, self.embedding = _fused_head_parts(model)
+        self.body, self.head, self.embedding, self.softcap = _fused_head_parts(model)
         self.batch, self.config = batch, config
         b, t = batch.input_ids.shape
         self.targets = torch.where(mask, batch.input_ids[:, 1:], -100).reshape(-1)  # uncounted: no gradient
@@ -436,8 +439,8 @@ class _FusedHead:
             out = vk.linear_logprobs(
                 self.hidden[:, :-1].reshape(-1, self.hidden.shape[-1]), self.head.weight, self.targets,
                 bias=self.head.bias, cu_seqlens=None if self.sq is None else self.cu, seq_grad_sq_norm=self.sq,
-                seq_grad_row_ids=ids if record_rows else None, seq_grad_rows=self.rows, validate=False,
-                backend=self.config.backend)
+                seq_grad_row_ids=ids if record_rows else None, seq_grad_rows=self.rows, softcap=self.softcap,
+                validate=False, backend=self.config.backend)
         return out.logp.view(b, t - 1)
 
     def head_sq_norms(self, psg: Optional[PerSequenceGradients]) -> Tensor:
@@ -452,6 +455,6 @@ class _FusedHead:
         """The head's weight and bias gradients for upstream dlogp [B, T-1] (book-keeping rebuilt the rest),
         from a second pass of the op over the saved hidden states."""
         h = self.hidden[:, :-1].detach().reshape(-1, self.hidden.shape[-1])
-        out = vk.linear_logprobs(h, self.head.weight, self.targets, bias=self.head.bias, validate=False,
-                                 backend=self.config.backend)
+        out = vk.linear_logprobs(h, self.head.weight, self.targets, bias=self.head.bias, softcap=self.softcap,
+                                 validate=False, backend=self.config.backend)
         out.logp.backward(dlogp.reshape(-1).to(out.logp.dtype))
