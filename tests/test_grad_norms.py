@@ -442,3 +442,34 @@ def test_hugging_face_causal_lms_packed(name):
         per_token().sum().backward()
     assert want[1] == 0 and torch.all(want[[0, 2, 3]] > 0)  # a one-token sequence predicts nothing
     torch.testing.assert_close(psg.sq_norms(), want, rtol=1e-6, atol=1e-10)
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("ghost", [None, True, False])
+def test_forms_follow_the_cost_rule(tied, ghost, monkeypatch):
+    # T = 4: up (6 -> 12) and down (12 -> 6) sit on the rule's boundary, 4 (6 + 12) = 6 x 12, so ghost; the
+    # untied head (6 -> 11): 4 x 17 > 66, materialised. The documented rule, written out here.
+    torch.manual_seed(0)
+    model = TokenwiseLM(tied=tied).double()
+    b, t = 3, 4
+    ids, targets = torch.randint(0, 11, (b, t)), torch.randint(0, 11, (b, t))
+    pos = torch.arange(t).expand(b, t)
+    shapes = {"up": (6, 12), "down": (12, 6), "head": (6, 11)}
+    rule = {n: ghost if ghost is not None else t * (i + o) <= i * o for n, (i, o) in shapes.items()}
+    want = {"tok": "same-token", "pos": "same-token", "ln": "replayed", "norm": "replayed",
+            **{n: "ghost" if g else "materialised" for n, g in rule.items()}}
+    logp = _token_logp(model(ids, pos), targets)
+    ref = brute_force([logp[i].sum() for i in range(b)], list(model.parameters()))
+    with PerSequenceGradients(model, num_seqs=b, ghost=ghost) as psg:
+        _token_logp(model(ids, pos), targets).sum().backward()
+    assert dict(psg.forms()) == want and len(psg.forms()) == len(want)
+    # sq_norms takes those forms: a ghost weight forms [T, T] Gram matrices, a materialised one [d_out, d_in].
+    products = []
+    bmm = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda x, y: products.append(tuple(bmm(x, y).shape[1:])) or bmm(x, y))
+    got = psg.sq_norms()
+    monkeypatch.undo()
+    torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-12)
+    materialised = {(o, i) for n, (i, o) in shapes.items() if not rule[n]}
+    assert {s for s in products if s != (t, t)} == materialised
+    if not tied:  # tied, the head's cross term with the embedding forms [T, T] products of its own
+        assert products.count((t, t)) == 2 * sum(rule.values()) + 2  # + one per embedding (same-token)

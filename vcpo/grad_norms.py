@@ -55,10 +55,15 @@ def _chunked(fn, *tensors: Tensor, per_seq_elements: int) -> Tensor:
     return torch.cat([fn(*(t[i:i + step] for t in tensors)) for i in range(0, n, step)]) if n else fn(*tensors)
 
 
+def _ghost_form(t: int, d_in: int, d_out: int, ghost: Optional[bool]) -> bool:
+    """Whether a linear layer's norm takes the ghost form: the forced one, else the cheaper in FLOPs."""
+    return ghost if ghost is not None else t * (d_in + d_out) <= d_in * d_out
+
+
 def _linear_sq_norms(a: Tensor, b: Tensor, ghost: Optional[bool]) -> Tensor:
     """[B]: ||B_i^T A_i||_F^2 for rows a [B, T, d_in], b [B, T, d_out] (zero rows contribute nothing)."""
     t, d_in, d_out = a.shape[1], a.shape[2], b.shape[2]
-    if ghost if ghost is not None else t * (d_in + d_out) <= d_in * d_out:  # <A A^T, B B^T>: O(T^2 (d_in + d_out))
+    if _ghost_form(t, d_in, d_out, ghost):  # <A A^T, B B^T>: O(T^2 (d_in + d_out))
         return _chunked(lambda a, b: (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(b, b.transpose(1, 2))).sum((1, 2)),
                         a, b, per_seq_elements=2 * t * t)
     return _chunked(lambda a, b: torch.bmm(b.transpose(1, 2), a).pow(2).sum((1, 2)), a, b,  # O(T d_in d_out)
@@ -638,6 +643,20 @@ class PerSequenceGradients:
                 g = sum(self._materialised(u, p, generic) for u in use_list)
                 total += _acc(g).flatten(1).pow(2).sum(1).double()
         return total
+
+    def forms(self) -> list:
+        """[(module name, form)] per recorded call that reached the objective, in call order: how sq_norms()
+        forms its weight's norm. "ghost" or "materialised" (linear layers, by _ghost_form over its rows),
+        "same-token" (embeddings), "per-expert" (experts: ghost or materialised per expert), "replayed" (vjp)."""
+        out = []
+        for rec, call in self._uses():
+            if call.kind in ("linear", "conv1d"):
+                t = self._rows(call.args[0], rec.name).shape[1]
+                ghost = _ghost_form(t, call.args[0].shape[-1], call.grads[0].shape[-1], self.ghost)
+                out.append((rec.name, "ghost" if ghost else "materialised"))
+            else:
+                out.append((rec.name, {"embedding": "same-token", "experts": "per-expert"}.get(call.kind, "replayed")))
+        return out
 
     def embedding_inner(self, module: nn.Embedding, rows: Tensor) -> Tensor:
         """[B] float64: <g_i, M_i> for the per-sequence gradient g_i of the recorded embedding `module`'s
