@@ -128,8 +128,10 @@ def test_weight_transfer_settings(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert make_config(engine="server", engine_servers=1, weight_transfer="nccl").weight_transfer == "nccl"
-    with pytest.raises(ValueError, match="engine_servers 2 needs 3 GPUs.*has 2"):
+    with pytest.raises(ValueError, match="engine_servers 2 and trainer_ranks 1 needs 3 GPUs.*has 2"):
         make_config(engine="server", engine_servers=2, weight_transfer="nccl")
+    with pytest.raises(ValueError, match="engine_servers 1 and trainer_ranks 2 needs 3 GPUs.*has 2"):
+        make_config(engine="server", engine_servers=1, trainer_ranks=2, prompts_per_step=16, weight_transfer="nccl")
     urls = {"engine": "server", "engine_urls": "http://127.0.0.1:8000", "weight_transfer": "nccl"}
     assert make_config(**urls, weight_transfer_host="127.0.0.1").weight_transfer_host == "127.0.0.1"
     for host in ("203.0.113.9", "no-such-host.invalid"):  # not this machine's (TEST-NET-3), not resolvable
@@ -510,3 +512,16 @@ def test_plot_command_draws_runs(tmp_path, capsys):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
     assert main(["plot", str(tmp_path / "missing"), "-o", str(out)]) == 2
     assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_local_servers_get_the_gpus_the_trainer_ranks_leave(monkeypatch):
+    import torch
+
+    from vcpo.trainer.launch import _gpu_plan
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert _gpu_plan(2, 2) == ["2", "3"] and _gpu_plan(3, 1) == ["1", "2", "3"]
+    assert _gpu_plan(3, 2) == ["0", "1", "2"]  # not enough GPUs: the servers share them, the trainer's too
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _gpu_plan(2, 1) is None

@@ -198,10 +198,12 @@ class TrainConfig:
             raise ValueError("weight_transfer: nccl sends the weights from the trainer's GPU, and this machine has no "
                              "CUDA device: use weight_transfer storage")
         gpus = torch.cuda.device_count()
-        if self.engine_servers is not None and isinstance(self.engine_servers, int) and gpus <= self.engine_servers:
-            raise ValueError(f"weight_transfer: nccl with engine_servers {self.engine_servers} needs "
-                             f"{self.engine_servers + 1} GPUs, one for the trainer and one per server (NCCL cannot "
-                             f"put two ranks of a group on one GPU); this machine has {gpus}")
+        trainer = self.trainer_ranks if isinstance(self.trainer_ranks, int) else 1
+        if self.engine_servers is not None and isinstance(self.engine_servers, int) and \
+                gpus < trainer + self.engine_servers:
+            raise ValueError(f"weight_transfer: nccl with engine_servers {self.engine_servers} and trainer_ranks "
+                             f"{trainer} needs {trainer + self.engine_servers} GPUs, one per trainer rank and one per "
+                             f"server (NCCL cannot put two ranks of a group on one GPU); this machine has {gpus}")
         if self.weight_transfer_host is not None:
             host = self.weight_transfer_host
             try:  # binding it is what vLLM's rendezvous will do, on IPv4

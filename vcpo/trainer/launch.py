@@ -64,13 +64,13 @@ def _pin_trainer(trainer_cores: list[int]) -> None:
     torch.set_num_threads(len(trainer_cores))
 
 
-def _gpu_plan(count: int) -> Optional[list[str]]:
-    """GPU machine: the device of each local server; the trainer keeps GPU 0 when there are more GPUs than
-    servers, otherwise the servers share the GPUs (and GPU 0 with the trainer) in turn."""
+def _gpu_plan(count: int, trainer_gpus: int) -> Optional[list[str]]:
+    """GPU machine: the device of each local server; the trainer ranks keep GPUs 0..R-1 when there are enough
+    GPUs for the servers besides, otherwise the servers share the GPUs (the trainer's too) in turn."""
     if not torch.cuda.is_available():
         return None
     devices = list(range(torch.cuda.device_count()))
-    pool = devices[1:] if len(devices) > count else devices
+    pool = devices[trainer_gpus:] if len(devices) >= trainer_gpus + count else devices
     return [str(pool[i % len(pool)]) for i in range(count)]
 
 
@@ -125,10 +125,14 @@ def _start_server_pool(cfg: TrainConfig, *, model_dir: str, max_len: int, run_di
         servers = LocalServers(model_dir, count, log_dir=os.path.join(run_dir, "servers"), dtype=cfg.dtype,
                                max_model_len=max_len, kv_cache_gib=cfg.kv_cache_gib, seed=cfg.seed,
                                cores=None if engine_cores is None else split_cores(engine_cores, count),
-                               gpus=_gpu_plan(count), gpu_memory_utilization=cfg.gpu_memory_utilization, log=log)
+                               gpus=_gpu_plan(count, cfg.trainer_ranks),
+                               gpu_memory_utilization=cfg.gpu_memory_utilization,
+                               weight_transfer=cfg.weight_transfer, log=log)
         urls = servers.start()
     pool = ServerPool(urls, weights_dir=cfg.weights_dir or os.path.join(run_dir, ".weights"),
-                      weight_swap=cfg.weight_swap, timeout=cfg.engine_timeout, log=log)
+                      weight_swap=cfg.weight_swap, timeout=cfg.engine_timeout, weight_transfer=cfg.weight_transfer,
+                      weight_transfer_host=cfg.weight_transfer_host,
+                      device=torch.device("cuda:0") if cfg.weight_transfer == "nccl" else None, log=log)
     setting = "engine_servers" if servers else "engine_urls"
     try:
         pool.check(setting=setting, probe_text=probe, probe_ids=probe_ids, max_model_len=max_len)
