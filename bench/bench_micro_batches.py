@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import _cpu_seconds  # noqa: E402
 from memory import peak_rss_mib, rss_mib  # noqa: E402
 
 B, T, PROMPT, GROUP = 16, 512, 64, 2
@@ -94,6 +96,7 @@ def main() -> None:
         return
     # Rounds are interleaved across cases, so a slow spell of the machine hits every case alike.
     samples = {case: [] for case in CASES}
+    start, wall = _cpu_seconds(), time.perf_counter()
     for r in range(args.rounds):
         for case in CASES:
             print(f"round {r + 1}/{args.rounds}: {case} ...", file=sys.stderr, flush=True)
@@ -102,6 +105,8 @@ def main() -> None:
             if out.returncode != 0:
                 sys.exit(f"case {case} failed:\n{out.stderr[-3000:]}")
             samples[case].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    end, wall = _cpu_seconds(), time.perf_counter() - wall
+    foreign = (end[0] - start[0]) - (end[1] - start[1]) if start and end else float("nan")
     table = {case: dict(s=statistics.median(x["seconds"] for x in runs),
                         peak=statistics.median(x["peak_mib"] for x in runs),
                         grad_norm=runs[0]["grad_norm"]) for case, runs in samples.items()}
@@ -109,6 +114,8 @@ def main() -> None:
     what = "peak allocated CUDA memory" if args.device == "cuda" else "peak RSS above the process before the step"
     print(f"\nvcpo.step against micro_batch_size: Llama {params / 1e6:.1f}M params, B={B} x T={T}, groups of "
           f"{GROUP}, fp32, {args.device}, {args.rounds} rounds, medians; peak = {what}")
+    print(f"  other processes used {foreign:.0f} CPU-s during the {wall:.0f} s run "
+          f"({foreign / (wall * os.cpu_count()):.0%} of the machine): times are only as good as that")
     print(f"  {'case':<19} {'step s':>7} {'x whole':>8} {'peak MiB':>9} {'x whole':>8} {'grad norm':>10}")
     for case, r in table.items():
         base = table["batch-scope whole" if case.startswith("batch-scope") else "whole"]
