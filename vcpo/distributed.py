@@ -39,7 +39,8 @@ def global_share(part_length: Tensor, all_length: Tensor, loss_agg_mode: str) ->
     """agg_count(part) / agg_count(all), float64: a loss aggregated over the sequences of `part` alone, times
     this, is their share of the loss aggregated over `all` (0 when `part` counts nothing). Ranks here, and the
     micro-batches of vcpo.step."""
-    return agg_count(part_length, loss_agg_mode).double() / agg_count(all_length, loss_agg_mode).double().clamp(min=1)
+    whole = agg_count(all_length, loss_agg_mode).double().clamp(min=1)
+    return agg_count(part_length, loss_agg_mode).double() / whole
 
 
 def policy_loss(logp: Tensor, behavior_logp: Tensor, *, process_group, options, validate: bool = True,

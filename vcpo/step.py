@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 import vcpo_kernels as vk
@@ -88,8 +89,6 @@ def _bookkeeping_exact(config: VCPOConfig, batch: RolloutBatch) -> bool:
 def _average_gradients(params: list, group, sums: Tensor) -> None:
     """Mean of every parameter's gradient over the ranks of `group`, in one all_reduce of a flat buffer, and the
     sum of the float64 vector `sums` over the ranks, in place (a second, tiny all_reduce, issued first)."""
-    import torch.distributed as dist
-
     pending = dist.all_reduce(sums, group=group, async_op=True)
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -173,8 +172,6 @@ def _plan(batch: RolloutBatch, config: VCPOConfig, process_group) -> _Plan:
     count = agg_count((batch.loss_mask[:, 1:] != 0).sum(1), config.loss_agg_mode).double()
     world, whole = 1, torch.stack([count.new_zeros(()), count, count.new_tensor(float(t))])
     if process_group is not None:
-        import torch.distributed as dist
-
         if batch.group_index is not None and batch.num_groups is None:
             raise ValueError("num_groups is required with a process_group: group indices are global, and a rank "
                              "cannot infer the count from its own sequences")
@@ -190,7 +187,8 @@ def _plan(batch: RolloutBatch, config: VCPOConfig, process_group) -> _Plan:
     group_of, widths, (spans, total, longest) = values[:b], values[b:2 * b], values[2 * b:]
     ng = batch.num_groups if batch.num_groups is not None else int(max(group_of, default=0)) + 1
     if batch.group_index is not None and not all(0 <= g < ng for g in group_of):
-        raise ValueError(f"group_index must be in [0, num_groups) = [0, {ng}), got {sorted({int(g) for g in group_of})}")
+        raise ValueError(f"group_index must be in [0, num_groups) = [0, {ng}), got "
+                         f"{sorted({int(g) for g in group_of})}")
     members: dict = {}
     for i, g in enumerate(group_of):
         members.setdefault(g, []).append(i)
@@ -311,9 +309,10 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatc
         raise ValueError("assembly='bookkeeping' needs grad_norms='exact' (every layer recorded)")
     plan = _plan(batch, config, process_group)
     if config.assembly == "bookkeeping" and plan.recompute:
-        raise ValueError(f"assembly='bookkeeping' with micro_batch_size={config.micro_batch_size}: {plan.recompute}, "
-                         "so the coefficients are known only after every micro-batch's norm pass and each "
-                         "micro-batch's gradient needs a second forward; use assembly='auto' or 'two_pass'")
+        raise ValueError(f"assembly='bookkeeping' with micro_batch_size={config.micro_batch_size}: "
+                         f"{plan.recompute}, so the coefficients are known only after every micro-batch's norm "
+                         "pass and each micro-batch's gradient needs a second forward; use assembly='auto' or "
+                         "'two_pass'")
     bookkeeping = config.grad_norms == "exact" and config.assembly != "two_pass" and exact_ok and not plan.recompute
     b, t = batch.input_ids.shape
     mask = batch.loss_mask[:, 1:] != 0
@@ -359,11 +358,7 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatc
             for rows, width in plan.parts:  # the second forward, and the backward, of each micro-batch
                 _Pass(model, _select(batch, rows, width), config, norms=False, keep=True,
                       bookkeeping=False).backward(dlogp[rows, :width - 1])
-    world = 1
-    if process_group is not None:
-        import torch.distributed as dist
-
-        world = dist.get_world_size(process_group)
+    world = dist.get_world_size(process_group) if process_group is not None else 1
     sums = _loss_sums(out, config, mask.any(1), grad_sq_norm, world)
     if process_group is not None:
         _average_gradients(params, process_group, sums)
