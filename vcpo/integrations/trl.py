@@ -1,0 +1,228 @@
+"""VCPO in TRL: `VCPOGRPOTrainer`, a `trl.GRPOTrainer` whose loss is the VCPO loss (docs/integrations.md).
+
+Per generation batch (once, before TRL shuffles it and splits it into `steps_per_generation` chunks): the
+rewards and prompt groups, the current policy's log-probs and per-sequence squared gradient norms G_i, and
+`vcpo.policy_loss` over the whole batch give the OPOB advantages, the ESS and the lr scale. Each chunk's loss
+is then `vcpo.policy_loss` with those advantages; each optimizer step of the batch runs at the scaled lr."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from contextlib import ExitStack, nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from transformers import TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+from ..config import VCPOConfig
+from ..distributed import agg_count
+from ..grad_norms import PerSequenceGradients, UnsupportedModuleError
+from ..loss import policy_loss
+from ..lr import scale_lr
+from ..step import token_logp
+
+__all__ = ["VCPOGRPOConfig", "VCPOGRPOTrainer"]
+
+
+@dataclass
+class VCPOGRPOConfig(GRPOConfig):
+    """`trl.GRPOConfig` plus `vcpo_config`, every VCPO option in one `vcpo.VCPOConfig` (written once there; TRL's
+    own loss options are not read: docs/integrations.md maps them). Build it in Python: `HfArgumentParser`
+    cannot parse the nested config."""
+
+    vcpo_config: VCPOConfig = field(default_factory=VCPOConfig)
+
+    def to_dict(self):
+        d = super().to_dict()
+        d["vcpo_config"] = dataclasses.asdict(self.vcpo_config)  # JSON-serialisable for the loggers
+        return d
+
+
+class _ESSLearningRate(TrainerCallback):
+    """Every param group's lr times the generation batch's lr scale around each optimizer step, restored after."""
+
+    def __init__(self) -> None:
+        self.lr_scale = 1.0
+        self._scaled = None
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        self._scaled = ExitStack()
+        self._scaled.enter_context(scale_lr(optimizer, self.lr_scale))
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if self._scaled is not None:
+            self._scaled.close()
+            self._scaled = None
+
+
+class VCPOGRPOTrainer(GRPOTrainer):
+    """`trl.GRPOTrainer` with the VCPO loss: the switch is this class name and `VCPOGRPOConfig(vcpo_config=...)`
+    (a plain `GRPOConfig` gets `VCPOConfig()`'s defaults). One process only; the behaviour policy is vLLM's
+    sampling log-probs when TRL has them, else TRL's `old_per_token_logps`, else the current policy's (on-policy:
+    every weight is 1)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.vcpo_config = getattr(self.args, "vcpo_config", None) or VCPOConfig()
+        if not isinstance(self.vcpo_config, VCPOConfig):
+            raise ValueError(f"vcpo_config must be a vcpo.VCPOConfig, got {type(self.vcpo_config).__name__}")
+        self._refuse_unsupported()
+        self._lr = _ESSLearningRate()
+        self.add_callback(self._lr)
+        self._rewards_per_func = None
+        self._head_only = False  # grad_norms="auto" fell back to the LM head's norm
+
+    def _refuse_unsupported(self) -> None:
+        a = self.args
+        why = []
+        if self.accelerator.num_processes > 1:
+            why.append(f"{self.accelerator.num_processes} processes (one only: the batch's ESS and baselines are "
+                       "formed on one process)")
+        if a.steps_per_generation % a.gradient_accumulation_steps != 0:
+            why.append(f"steps_per_generation={a.steps_per_generation} is not a multiple of "
+                       f"gradient_accumulation_steps={a.gradient_accumulation_steps} (an optimizer step must lie "
+                       "within one generation batch, whose lr scale it takes)")
+        if self.beta != 0.0:
+            why.append(f"beta={self.beta} (the VCPO loss has no KL term to a reference model)")
+        if self.top_entropy_quantile < 1.0:
+            why.append(f"top_entropy_quantile={self.top_entropy_quantile}")
+        if self.off_policy_mask_threshold is not None:
+            why.append(f"off_policy_mask_threshold={self.off_policy_mask_threshold}")
+        if self._entropy_bonus_enabled:
+            why.append("an entropy bonus (entropy_coef / use_adaptive_entropy)")
+        if self.aux_loss_enabled:
+            why.append("the MoE router auxiliary loss")
+        if why:
+            raise ValueError("VCPOGRPOTrainer does not support " + "; ".join(why))
+
+    # -- the generation batch ------------------------------------------------------------------------------------
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        # TRL's output dict drops the rewards: keep them ([B, num reward functions], gathered over processes).
+        self._rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        return self._rewards_per_func
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        if not self.model.training:
+            return out  # evaluation keeps TRL's advantages and loss
+        per_func = self._rewards_per_func
+        unscorable = torch.isnan(per_func).all(1)
+        if unscorable.any():
+            raise ValueError(f"{int(unscorable.sum())} completions have no reward (every reward function returned "
+                             "None): the VCPO baselines need a reward for every sequence")
+        rewards = (per_func * self.reward_weights.to(per_func.device)).nansum(1)
+        b = rewards.shape[0]
+        # TRL's sampler repeats each prompt num_generations times in a row: a group is a run of that many rows.
+        group_index = torch.arange(b, device=rewards.device) // self.num_generations
+        mask = out["completion_mask"] if "tool_mask" not in out else out["completion_mask"] * out["tool_mask"]
+        mask = mask != 0
+        logp, grad_sq_norm = self._logps_and_norms(out, mask)
+        behavior = out.get("sampling_per_token_logps")
+        if behavior is not None:  # tokens vLLM could not score: weight 1, as TRL does
+            behavior = torch.where(torch.isnan(behavior), logp, behavior)
+        elif out.get("old_per_token_logps") is not None:
+            behavior = out["old_per_token_logps"]
+        else:
+            behavior = logp
+        result = policy_loss(logp, behavior, config=self.vcpo_config, mask=mask, rewards=rewards,
+                             group_index=group_index, num_groups=b // self.num_generations,
+                             grad_sq_norm=grad_sq_norm)
+        out["advantages"] = result.advantages.to(logp.dtype)
+        out["vcpo_behavior_logps"] = behavior
+        stats = torch.stack([result.ess_ratio, result.lr_scale, result.ess, result.baseline.mean(),
+                             result.is_clip_fraction, grad_sq_norm.mean() if grad_sq_norm is not None
+                             else result.ess.new_ones(())]).double().tolist()  # one host read per batch
+        ess_ratio, lr_scale, ess, baseline_mean, clip_fraction, g_mean = stats
+        self._lr.lr_scale = lr_scale if math.isfinite(lr_scale) else 0.0
+        for name, value in (("ess_ratio", ess_ratio), ("lr_scale", self._lr.lr_scale), ("ess", ess),
+                            ("baseline_mean", baseline_mean), ("is_clip_fraction", clip_fraction),
+                            ("grad_sq_norm_mean", g_mean)):
+            self._metrics["train"][f"vcpo/{name}"].append(value)
+        return out
+
+    def _logps_and_norms(self, out, mask):
+        """The current policy's log-probs of the completion tokens [B, C] and the G_i [B] (or None: uniform) of
+        VCPOConfig.grad_norms, in chunks of per_device_train_batch_size sequences. The model's own forward (not
+        TRL's fused head, which the norm recorder cannot see), at TRL's sampling temperature."""
+        how = self.vcpo_config.grad_norms
+        if how == "auto":
+            how = "lm_head" if self._head_only else "exact"
+        model = self.accelerator.unwrap_model(self.model)
+        ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+        attention = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+        c = out["completion_ids"].shape[1]
+        chunk = self.args.per_device_train_batch_size
+        logps, norms = [], []
+        for start in range(0, ids.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            try:
+                logp, g = self._chunk_norms(model, ids[rows], attention[rows], mask[rows], c, how)
+            except UnsupportedModuleError as err:
+                if self.vcpo_config.grad_norms != "auto":
+                    raise
+                warnings.warn(f"grad_norms='auto' uses the LM head's norm for {type(model).__name__}: {err}")
+                self._head_only = True
+                return self._logps_and_norms(out, mask)
+            logps.append(logp)
+            norms.append(g)
+        logp = torch.cat(logps)
+        if how == "length":
+            return logp, mask.sum(1).to(logp.dtype)
+        return logp, None if how == "uniform" else torch.cat(norms).to(logp.dtype)
+
+    def _chunk_norms(self, model, ids, attention, mask, c, how):
+        record = how in ("exact", "lm_head")
+        modules = None if how == "exact" else [model.get_output_embeddings()]
+        psg = (PerSequenceGradients(model, num_seqs=ids.shape[0], seq_len=ids.shape[1], modules=modules,
+                                    freeze_parameters=True) if record else None)
+        with psg if psg is not None else nullcontext(), torch.set_grad_enabled(record):
+            logits = model(input_ids=ids, attention_mask=attention, use_cache=False).logits[:, -c - 1:-1]
+            logp = token_logp(logits / self.temperature, ids[:, -c:])
+            del logits
+            if record:
+                psg.backward(torch.where(mask, logp, 0).sum())
+        g = None
+        if record:
+            g = psg.sq_norms()
+            psg.release()
+        return logp.detach(), g
+
+    def _prepare_inputs(self, generation_batch):
+        before = self._buffered_inputs
+        inputs = super()._prepare_inputs(generation_batch)
+        if self.model.training and self._buffered_inputs is not before:
+            self._set_shares(self._buffered_inputs)
+        return inputs
+
+    def _set_shares(self, chunks) -> None:
+        """Each chunk's share of its optimizer step's loss: its count (tokens or sequences, by loss_agg_mode)
+        over the count of the gradient_accumulation_steps chunks that step accumulates, so the step's loss is
+        the aggregation over all of them."""
+        mode = self.vcpo_config.loss_agg_mode
+        counts = []
+        for x in chunks:
+            m = x["completion_mask"] if "tool_mask" not in x else x["completion_mask"] * x["tool_mask"]
+            counts.append(float(agg_count((m != 0).sum(1), mode)))
+        k = self.args.gradient_accumulation_steps
+        for j, x in enumerate(chunks):
+            window = sum(counts[j - j % k: j - j % k + k])
+            x["vcpo_share"] = counts[j] / max(window, 1.0)
+
+    # -- the loss of one chunk -----------------------------------------------------------------------------------
+
+    def _compute_loss(self, model, inputs):
+        if not self.model.training:
+            return super()._compute_loss(model, inputs)
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+        mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
+        logp, _, _ = self._get_per_token_logps_and_entropies(model, ids, attention, inputs["completion_ids"].shape[1])
+        # Bypass mode: the behaviour policy is the proximal one; the advantages are the generation batch's.
+        out = policy_loss(logp, inputs["vcpo_behavior_logps"], config=self.vcpo_config, mask=mask != 0,
+                          advantages=inputs["advantages"].to(logp.dtype))
+        self._metrics["train"]["policy_loss"].append(out.loss.item())
+        return out.loss * inputs["vcpo_share"]
