@@ -9,6 +9,8 @@ its own.
 
     python bench/bench_step.py            # all cases, prints one table
     python bench/bench_step.py --rounds 5 --model qwen3_moe
+    python bench/bench_step.py --sweep    # VCPO over GRPO as T and the width grow (2-layer Llamas)
+    python bench/bench_step.py --profile --model qwen3_moe    # where the step's time goes
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Optional
 
 CASES = {
     "grpo": "plain GRPO step: one forward + backward",
@@ -28,24 +31,27 @@ CASES = {
     "brute-force": "per-sequence forward+backward for the norms, then the update",
 }
 B, T, PROMPT = 32, 256, 32
+# The sweep (--sweep): B = SWEEP_TOKENS / T sequences, so each case holds the same number of tokens.
+SWEEP_T, SWEEP_WIDTH, SWEEP_TOKENS, SWEEP_LAYERS = (256, 1024, 4096), (256, 1024, 2048), 4096, 2
 
 
-def build(name: str = "llama"):
+def build(name: str = "llama", b: int = B, t: int = T, width: int = 256, layers: int = 6):
+    """The model and a batch of b sequences x t tokens; width and layers size the Llama (the MoE is fixed)."""
     import torch
     import transformers
 
     import vcpo
 
     torch.manual_seed(0)
-    if name == "llama":
-        config = transformers.LlamaConfig(vocab_size=10000, hidden_size=256, intermediate_size=688,
-                                          num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=4,
-                                          max_position_embeddings=T)
+    if name == "llama":  # the MLP at 688/256 of the width, 64-dimensional heads
+        config = transformers.LlamaConfig(vocab_size=10000, hidden_size=width, intermediate_size=688 * width // 256,
+                                          num_hidden_layers=layers, num_attention_heads=width // 64,
+                                          num_key_value_heads=width // 64, max_position_embeddings=t)
     else:
         config = transformers.Qwen3MoeConfig(vocab_size=10000, hidden_size=256, intermediate_size=688,
                                              moe_intermediate_size=256, num_experts=16, num_experts_per_tok=4,
                                              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
-                                             head_dim=64, max_position_embeddings=T)
+                                             head_dim=64, max_position_embeddings=t)
     config._attn_implementation = "sdpa"
     model = transformers.AutoModelForCausalLM.from_config(config).eval()  # eval: no dropout
     with torch.no_grad():  # routers start at zero: random routing instead of ties
@@ -53,13 +59,14 @@ def build(name: str = "llama"):
             if p.abs().max() == 0:
                 p.normal_(0, 0.02)
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 10000, (B, T), generator=g)
-    lengths = PROMPT + torch.randint(64, T - PROMPT + 1, (B,), generator=g)
-    attention = (torch.arange(T) < lengths[:, None]).long()
-    loss_mask = attention * (torch.arange(T) >= PROMPT)
-    behavior = -torch.rand(B, T, generator=g) * 8 - 6  # log mu of random tokens under a near-uniform policy
-    batch = vcpo.RolloutBatch(ids, attention, loss_mask, behavior, torch.randint(0, 2, (B,), generator=g).float(),
-                              group_index=torch.arange(B) // 8, num_groups=B // 8)
+    ids = torch.randint(0, 10000, (b, t), generator=g)
+    lengths = PROMPT + torch.randint(t // 4, t - PROMPT + 1, (b,), generator=g)  # responses of t/4 to t - 32
+    attention = (torch.arange(t) < lengths[:, None]).long()
+    loss_mask = attention * (torch.arange(t) >= PROMPT)
+    behavior = -torch.rand(b, t, generator=g) * 8 - 6  # log mu of random tokens under a near-uniform policy
+    group = min(b, 8)
+    batch = vcpo.RolloutBatch(ids, attention, loss_mask, behavior, torch.randint(0, 2, (b,), generator=g).float(),
+                              group_index=torch.arange(b) // group, num_groups=b // group)
     return model, batch
 
 
@@ -92,12 +99,13 @@ def brute_force_step(model, optimizer, batch, config):
         optimizer.step()
 
 
-def run_case(case: str, rounds: int, name: str) -> dict:
+def run_case(case: str, rounds: int, name: str, shape: Optional[tuple] = None) -> dict:
+    """shape: (b, t, width, layers) of a sweep case, else the default model and batch."""
     import torch
 
     import vcpo
 
-    model, batch = build(name)
+    model, batch = build(name, *shape) if shape else build(name)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.1)
     if case == "grpo":
         config = vcpo.VCPOConfig(advantage="grpo", grad_norms="uniform", lr_rule=None, is_correction="none")
@@ -107,7 +115,17 @@ def run_case(case: str, rounds: int, name: str) -> dict:
         config = vcpo.VCPOConfig()
     fn = (lambda: brute_force_step(model, optimizer, batch, config)) if case == "brute-force" else (
         lambda: vcpo.step(model, optimizer, batch, config))
+    forms = []  # the warm-up step's norm forms, read as the step forms its norms (sq_norms)
+    sq_norms = vcpo.PerSequenceGradients.sq_norms
+
+    def spy(psg):
+        out = sq_norms(psg)
+        forms.extend(psg.forms())
+        return out
+
+    vcpo.PerSequenceGradients.sq_norms = spy
     fn()  # warm-up
+    vcpo.PerSequenceGradients.sq_norms = sq_norms
     times = []
     for _ in range(rounds):
         start = time.perf_counter()
@@ -115,17 +133,122 @@ def run_case(case: str, rounds: int, name: str) -> dict:
         times.append(time.perf_counter() - start)
     params = sum(p.numel() for p in model.parameters())
     return dict(case=case, median_s=statistics.median(times), min_s=min(times), params=params,
-                peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+                peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, forms=forms)
+
+
+LAYER_KINDS = {"attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj"),
+               "head": ("lm_head",)}
+
+
+def form_counts(forms: list) -> str:
+    """Per layer kind, how many of its recorded calls took the ghost (g) and materialised (m) norm."""
+    cells = []
+    for kind, names in LAYER_KINDS.items():
+        got = [f for n, f in forms if n.rsplit(".", 1)[-1] in names]
+        cells.append(f"{kind} " + "+".join(f"{got.count(f)}{f[0]}" for f in ("ghost", "materialised") if f in got))
+    return "  ".join(cells)
+
+
+def child(args: list) -> dict:
+    """One case in a process of its own: its peak resident memory is its own."""
+    out = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"{' '.join(args)} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def sweep(rounds: int) -> None:
+    """The VCPO step over a plain GRPO step as the sequence length and the width grow."""
+    grid = [(SWEEP_TOKENS // t, t, w, SWEEP_LAYERS) for t in SWEEP_T for w in SWEEP_WIDTH]
+    samples = {(shape, case): [] for shape in grid for case in ("grpo", "vcpo")}
+    for r in range(rounds):  # interleaved: a slow spell of the machine hits neighbouring cases alike
+        for shape in grid:
+            for case in ("grpo", "vcpo"):
+                print(f"round {r + 1}/{rounds}: B={shape[0]} T={shape[1]} width {shape[2]}: {case} ...",
+                      file=sys.stderr, flush=True)
+                samples[shape, case].append(child(["--case", case, "--rounds", "1", "--shape",
+                                                   ",".join(map(str, shape))]))
+    print(f"\nVCPO step / plain GRPO step, Llama {SWEEP_LAYERS} layers, vocab 10000, B x T = {SWEEP_TOKENS} tokens, "
+          f"fp32, {rounds} rounds, median; forms: recorded calls per layer kind, g ghost, m materialised")
+    print(f"  {'T':>5} {'B':>3} {'width':>5} {'params':>7} {'grpo s':>7} {'vcpo s':>7} {'x grpo':>6} {'<=1.3':>5} "
+          f"{'grpo MiB':>8} {'vcpo MiB':>8}  forms")
+    for shape in grid:
+        g, v = samples[shape, "grpo"], samples[shape, "vcpo"]
+        tg, tv = statistics.median(x["median_s"] for x in g), statistics.median(x["median_s"] for x in v)
+        print(f"  {shape[1]:5d} {shape[0]:3d} {shape[2]:5d} {g[0]['params'] / 1e6:6.1f}M {tg:7.2f} {tv:7.2f} "
+              f"{tv / tg:6.2f} {'yes' if tv / tg <= 1.3 else 'no':>5} {max(x['peak_rss_mib'] for x in g):8.0f} "
+              f"{max(x['peak_rss_mib'] for x in v):8.0f}  {form_counts(v[0]['forms'])}")
+
+
+PHASES = ("forward", "PerSequenceGradients.backward", "PerSequenceGradients.sq_norms",
+          "PerSequenceGradients._experts_sq_norms", "PerSequenceGradients._expert_terms",
+          "PerSequenceGradients._generic_per_seq", "PerSequenceGradients.assemble",
+          "PerSequenceGradients._experts_assemble", "PerSequenceGradients._generic_weighted", "optimizer.step")
+
+TOP_PHASES = ("forward", "PerSequenceGradients.backward", "PerSequenceGradients.sq_norms",
+              "PerSequenceGradients.assemble", "optimizer.step")  # not nested in one another
+
+
+def profile(name: str) -> None:
+    """Where the VCPO step's time goes: each phase's wall time (inclusive: a nested phase is also in its
+    caller's) in one step after a warm-up, and a plain GRPO step of the same model and batch."""
+    import torch
+
+    import vcpo
+
+    model, batch = build(name)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.1)
+    spent = dict.fromkeys(PHASES, 0.0)
+
+    def timed(phase, fn):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[phase] += time.perf_counter() - start
+        return wrapper
+
+    for phase in PHASES:
+        owner, _, attr = phase.partition(".")
+        if owner == "PerSequenceGradients":
+            setattr(vcpo.PerSequenceGradients, attr, timed(phase, getattr(vcpo.PerSequenceGradients, attr)))
+    model.forward = timed("forward", model.forward)
+    optimizer.step = timed("optimizer.step", optimizer.step)
+    configs = {"vcpo": vcpo.VCPOConfig(),
+               "grpo": vcpo.VCPOConfig(advantage="grpo", grad_norms="uniform", lr_rule=None, is_correction="none")}
+    for case, config in configs.items():
+        vcpo.step(model, optimizer, batch, config)  # warm-up
+        spent.update(dict.fromkeys(PHASES, 0.0))
+        start = time.perf_counter()
+        vcpo.step(model, optimizer, batch, config)
+        total = time.perf_counter() - start
+        print(f"\n{case} step, {name}, B={B} x T={T}: {total:.2f} s")
+        for phase in PHASES:
+            if spent[phase]:
+                print(f"  {phase:<42} {spent[phase]:7.2f} s {spent[phase] / total:6.1%}")
+        rest = total - sum(spent[p] for p in TOP_PHASES)
+        print(f"  {'the rest (loss, a plain backward, clipping)':<42} {rest:7.2f} s {rest / total:6.1%}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--model", choices=["llama", "qwen3_moe"], default="llama")
+    parser.add_argument("--sweep", action="store_true", help="VCPO over GRPO across sequence lengths and widths")
+    parser.add_argument("--profile", action="store_true", help="the time of each phase of one step (--model)")
     parser.add_argument("--case", choices=list(CASES), help=argparse.SUPPRESS)  # one case, in a child process
+    parser.add_argument("--shape", help=argparse.SUPPRESS)  # a sweep case's B,T,width,layers
     args = parser.parse_args()
     if args.case:
-        print(json.dumps(run_case(args.case, args.rounds, args.model)))
+        shape = tuple(map(int, args.shape.split(","))) if args.shape else None
+        print(json.dumps(run_case(args.case, args.rounds, args.model, shape)))
+        return
+    if args.sweep:
+        sweep(args.rounds)
+        return
+    if args.profile:
+        profile(args.model)
         return
     # Rounds are interleaved across cases (one process per case and round: a warm-up step, then one timed
     # step), so a slow spell of the machine hits every case alike.
@@ -133,11 +256,7 @@ def main() -> None:
     for r in range(args.rounds):
         for case in CASES:
             print(f"round {r + 1}/{args.rounds}: {case} ({CASES[case]}) ...", file=sys.stderr, flush=True)
-            out = subprocess.run([sys.executable, __file__, "--case", case, "--rounds", "1", "--model", args.model],
-                                 capture_output=True, text=True)
-            if out.returncode != 0:
-                sys.exit(f"case {case} failed:\n{out.stderr[-3000:]}")
-            samples[case].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            samples[case].append(child(["--case", case, "--rounds", "1", "--model", args.model]))
     results = {case: dict(median_s=statistics.median(x["median_s"] for x in runs),
                           min_s=min(x["min_s"] for x in runs), params=runs[0]["params"],
                           peak_rss_mib=max(x["peak_rss_mib"] for x in runs))
