@@ -1,0 +1,115 @@
+"""One `vcpo.step` on 1 rank against 2 data-parallel gloo ranks (one core each) on the same batch: the step
+time, and that the two take the same step (largest parameter difference after one step from the same weights).
+
+Model: a random Llama of about 6M parameters (hidden 256, 4 layers, vocab 10000), fp32; batch 16 sequences x
+256 tokens in 4 prompt groups of 4 (each rank gets 2 groups). The 2-rank case runs torch.distributed with gloo
+in 2 processes on cores 0 and 1; the 1-rank case runs on core 0 with one thread.
+
+    python bench/bench_ranks.py --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+B, T, GROUP, PROMPT = 16, 256, 4, 32
+CONFIGS = {"vcpo (book-keeping)": {}, "vcpo, token-mean": {"loss_agg_mode": "token-mean"},
+           "vcpo, two-pass": {"assembly": "two_pass"}}
+
+
+def build():
+    import torch
+    import transformers
+
+    import vcpo
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=10000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=T)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 10000, (B, T), generator=g)
+    lengths = PROMPT + torch.randint(T // 4, T - PROMPT + 1, (B,), generator=g)  # unequal token counts
+    attention = (torch.arange(T) < lengths[:, None]).long()
+    loss_mask = attention * (torch.arange(T) >= PROMPT)
+    behavior = -torch.rand(B, T, generator=g) * 8 - 6
+    batch = vcpo.RolloutBatch(ids, attention, loss_mask, behavior, torch.randint(0, 2, (B,), generator=g).float(),
+                              group_index=torch.arange(B) // GROUP, num_groups=B // GROUP)
+    return model, batch
+
+
+def share(batch, rank: int, world: int):
+    """Rank `rank`'s prompt groups of `batch` (groups in order, as vcpo train scatters them)."""
+    import vcpo
+
+    rows = slice(rank * B // world, (rank + 1) * B // world)
+    return vcpo.RolloutBatch(batch.input_ids[rows], batch.attention_mask[rows], batch.loss_mask[rows],
+                             batch.behavior_logp[rows], batch.rewards[rows], group_index=batch.group_index[rows],
+                             num_groups=batch.num_groups)
+
+
+def steps(options: dict, rounds: int, rank: int = 0, world: int = 1, group=None):
+    """(parameters after one step from the initial weights, median seconds of `rounds` more steps)."""
+    import torch
+
+    import vcpo
+
+    model, batch = build()
+    batch = share(batch, rank, world)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    config = vcpo.VCPOConfig(**options)
+    vcpo.step(model, optimizer, batch, config, process_group=group)
+    first = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        vcpo.step(model, optimizer, batch, config, process_group=group)
+        times.append(time.perf_counter() - start)
+    return first, statistics.median(times)
+
+
+def rank_main(rank: int, world: int, init: str, options: dict, rounds: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.sched_setaffinity(0, [rank % os.cpu_count()])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    first, median = steps(options, rounds, rank, world, dist.group.WORLD)
+    if rank == 0:
+        torch.save({"first": first, "median": median}, out)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    import torch
+    import torch.multiprocessing as mp
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    rows = []
+    for name, options in CONFIGS.items():
+        os.sched_setaffinity(0, [0])
+        torch.set_num_threads(1)
+        first, one = steps(options, args.rounds)
+        os.sched_setaffinity(0, range(os.cpu_count()))
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "rank0.pt")
+            mp.spawn(rank_main, args=(2, f"file://{tmp}/init", options, args.rounds, out), nprocs=2)
+            two = torch.load(out)
+        diff = (two["first"] - first).abs().max().item()
+        rows.append((name, one, two["median"], diff))
+    print(f"| step (B={B} x T={T}, {args.rounds} rounds, medians) | 1 rank, 1 core | 2 ranks, 1 core each | "
+          "speed-up | max abs param difference after one step |")
+    print("|---|---|---|---|---|")
+    for name, one, two, diff in rows:
+        print(f"| {name} | {one:.3f} s | {two:.3f} s | {one / two:.2f}x | {diff:.1e} |")
+
+
+if __name__ == "__main__":
+    main()
