@@ -158,26 +158,24 @@ def child(args: list) -> dict:
 
 
 def sweep(rounds: int) -> None:
-    """The VCPO step over a plain GRPO step as the sequence length and the width grow."""
-    grid = [(SWEEP_TOKENS // t, t, w, SWEEP_LAYERS) for t in SWEEP_T for w in SWEEP_WIDTH]
-    samples = {(shape, case): [] for shape in grid for case in ("grpo", "vcpo")}
-    for r in range(rounds):  # interleaved: a slow spell of the machine hits neighbouring cases alike
-        for shape in grid:
-            for case in ("grpo", "vcpo"):
-                print(f"round {r + 1}/{rounds}: B={shape[0]} T={shape[1]} width {shape[2]}: {case} ...",
-                      file=sys.stderr, flush=True)
-                samples[shape, case].append(child(["--case", case, "--rounds", "1", "--shape",
-                                                   ",".join(map(str, shape))]))
-    print(f"\nVCPO step / plain GRPO step, Llama {SWEEP_LAYERS} layers, vocab 10000, B x T = {SWEEP_TOKENS} tokens, "
+    """The VCPO step over a plain GRPO step as the sequence length and the width grow. Each case's row is
+    printed once its rounds are done (rounds interleave the two steps of a case), the narrowest cases first."""
+    print(f"VCPO step / plain GRPO step, Llama {SWEEP_LAYERS} layers, vocab 10000, B x T = {SWEEP_TOKENS} tokens, "
           f"fp32, {rounds} rounds, median; forms: recorded calls per layer kind, g ghost, m materialised")
     print(f"  {'T':>5} {'B':>3} {'width':>5} {'params':>7} {'grpo s':>7} {'vcpo s':>7} {'x grpo':>6} {'<=1.3':>5} "
-          f"{'grpo MiB':>8} {'vcpo MiB':>8}  forms")
-    for shape in grid:
-        g, v = samples[shape, "grpo"], samples[shape, "vcpo"]
+          f"{'grpo MiB':>8} {'vcpo MiB':>8}  forms", flush=True)
+    for shape in [(SWEEP_TOKENS // t, t, w, SWEEP_LAYERS) for w in SWEEP_WIDTH for t in SWEEP_T]:
+        samples = {"grpo": [], "vcpo": []}
+        for r in range(rounds):
+            for case in samples:
+                print(f"round {r + 1}/{rounds}: B={shape[0]} T={shape[1]} width {shape[2]}: {case} ...",
+                      file=sys.stderr, flush=True)
+                samples[case].append(child(["--case", case, "--rounds", "1", "--shape", ",".join(map(str, shape))]))
+        g, v = samples["grpo"], samples["vcpo"]
         tg, tv = statistics.median(x["median_s"] for x in g), statistics.median(x["median_s"] for x in v)
         print(f"  {shape[1]:5d} {shape[0]:3d} {shape[2]:5d} {g[0]['params'] / 1e6:6.1f}M {tg:7.2f} {tv:7.2f} "
               f"{tv / tg:6.2f} {'yes' if tv / tg <= 1.3 else 'no':>5} {max(x['peak_rss_mib'] for x in g):8.0f} "
-              f"{max(x['peak_rss_mib'] for x in v):8.0f}  {form_counts(v[0]['forms'])}")
+              f"{max(x['peak_rss_mib'] for x in v):8.0f}  {form_counts(v[0]['forms'])}", flush=True)
 
 
 PHASES = ("forward", "PerSequenceGradients.backward", "PerSequenceGradients.sq_norms",
