@@ -1,0 +1,275 @@
+"""vcpo.integrations.trl against the real trl.GRPOTrainer (CPU, use_vllm=False) on a tiny random Llama with a locally
+built tokenizer: the generation batch's advantages, ESS and lr scale against float64 recomputations on the same
+completions, the loss against vcpo.policy_loss, the gradient with VCPO's parts off against GRPOTrainer's own, and
+baselines formed once over a generation batch that steps_per_generation splits into several optimizer steps."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+import vcpo
+from vcpo import VCPOConfig
+from vcpo.integrations.trl import VCPOGRPOConfig, VCPOGRPOTrainer
+from vcpo.trainer.tiny import TinyRecipe, build_model, build_tokenizer
+
+N_GEN = 4  # completions per prompt
+TEMPERATURE = 0.9
+
+
+def reward(completions, completion_ids, **kwargs):
+    """Toy reward: how many generated ids are multiples of 3 (varied within a group)."""
+    return [float(sum(1 for t in ids if t % 3 == 0)) for ids in completion_ids]
+
+
+def reward_of(out):
+    """The same reward from the trainer's padded batch (the ids its completion_mask counts)."""
+    return torch.tensor([float(sum(1 for t, m in zip(ids.tolist(), mask.tolist()) if m and t % 3 == 0))
+                         for ids, mask in zip(out["completion_ids"], out["completion_mask"])], dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def tiny_model(tokenizer):
+    return build_model(TinyRecipe(hidden_size=32, num_heads=2, intermediate_size=64, num_layers=1), len(tokenizer))
+
+
+def dataset():
+    return Dataset.from_dict({"prompt": ["1+2=", "3+4=", "5+6=", "7+8=", "9+1=", "2+2="] * 4})
+
+
+def make(cls, tokenizer, model, config_cls=VCPOGRPOConfig, **overrides):
+    kw = dict(output_dir="/tmp/vcpo-trl-test", per_device_train_batch_size=8, num_generations=N_GEN,
+              max_completion_length=6, max_steps=2, learning_rate=1e-2, logging_steps=1, report_to=[],
+              save_strategy="no", use_cpu=True, bf16=False, seed=0, temperature=TEMPERATURE, disable_tqdm=True)
+    kw.update(overrides)
+    return cls(model=model, reward_funcs=reward, args=config_cls(**kw), train_dataset=dataset(),
+               processing_class=tokenizer)
+
+
+def snapshot(model):
+    """A float64 copy of the weights in a fresh model (a deepcopy of a TRL-patched model would keep calling the
+    original's forward: TRL's fused-head patch closes over it)."""
+    copy_ = type(model)(model.config)
+    copy_.load_state_dict(model.state_dict())
+    return copy_.double()
+
+
+def completion_logp(model, out):
+    """float64 log-probs of the completion tokens under `model` at the sampling temperature, [B, C], with graph."""
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+    attention = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+    c = out["completion_ids"].shape[1]
+    logits = model(input_ids=ids, attention_mask=attention, use_cache=False).logits[:, -c - 1:-1].double()
+    return torch.log_softmax(logits / TEMPERATURE, -1).gather(-1, ids[:, -c:, None]).squeeze(-1)
+
+
+def brute_force_sq_norms(model, out):
+    """||grad sum_t log pi(y_it)||^2 over every parameter, one sequence at a time, in float64."""
+    mask = out["completion_mask"] != 0
+    norms = []
+    for i in range(mask.shape[0]):
+        row = {k: out[k][i:i + 1] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+        logp = completion_logp(model, row)
+        grads = torch.autograd.grad(torch.where(mask[i:i + 1], logp, 0).sum(), list(model.parameters()),
+                                    allow_unused=True)
+        norms.append(sum(((g.double() ** 2).sum() for g in grads if g is not None), torch.zeros((), dtype=torch.float64)))
+    return torch.stack(norms)
+
+
+class Recorder(TrainerCallback):
+    """The lr inside each optimizer step (after VCPO's scaling), the scheduler's lr for it and the lr right after
+    the step (VCPO's callback, registered first, has restored it)."""
+
+    def __init__(self):
+        self.scaled, self.base, self.after = [], [], []
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
+        self.scaled.append(optimizer.param_groups[0]["lr"])
+        self.base.append(lr_scheduler.get_last_lr()[0])
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        self.after.append(optimizer.param_groups[0]["lr"])
+
+
+@pytest.fixture
+def stale_behaviour(monkeypatch):
+    """Behaviour log-probs from a stale policy: TRL's batch gets `sampling_per_token_logps` (as vLLM gives them)
+    from a perturbed copy of the policy, so the weights, ESS and lr scale are off-policy ones."""
+    batches = []
+
+    def install(policy):
+        torch.manual_seed(1)
+        stale = snapshot(policy)
+        with torch.no_grad():
+            for p in stale.parameters():
+                p.add_(1.5 * p.std().nan_to_num(0) * torch.randn_like(p))
+        original = GRPOTrainer._generate_and_score_completions
+
+        def generate(self, inputs):
+            out = original(self, inputs)
+            if self.model.training:
+                with torch.no_grad():
+                    out["sampling_per_token_logps"] = completion_logp(stale, out).float()
+                # The policy before this batch's steps, for the float64 references.
+                batches.append((out, snapshot(self.model)))  # out: VCPO's fields are added to it after
+            return out
+
+        monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", generate)
+        return batches
+
+    return install
+
+
+def reference(policy, out, config):
+    """The generation batch under `policy` (a snapshot) through vcpo.policy_loss in float64, with brute-force G_i, the rewards recomputed
+    from the completions and the prompt groups from TRL's layout (runs of N_GEN rows)."""
+    mask = out["completion_mask"] != 0
+    logp = completion_logp(policy, out).detach()
+    behaviour = out["sampling_per_token_logps"].double()
+    b = mask.shape[0]
+    res = vcpo.policy_loss(logp, behaviour, config=config.replace(backend="torch"), mask=mask, rewards=reward_of(out),
+                           group_index=torch.arange(b) // N_GEN, grad_sq_norm=brute_force_sq_norms(policy, out))
+    # The ESS and lr scale from their definitions: w_i = exp(sum_t log pi - log mu), rho = (sum w)^2 / (B sum w^2).
+    w = torch.where(mask, logp - behaviour, 0).sum(1).exp()
+    rho = w.sum() ** 2 / (b * (w ** 2).sum())
+    return res, float(rho), math.sqrt(min(1.0, float(rho)))
+
+
+def test_vcpo_trains_and_matches_policy_loss(tokenizer, stale_behaviour):
+    """Two steps of one generation batch each: advantages, ESS, lr scale and the loss against float64
+    recomputations on the same completions; the scaled lr is in the step and restored after it."""
+    model = tiny_model(tokenizer)
+    batches = stale_behaviour(model)
+    trainer = make(VCPOGRPOTrainer, tokenizer, model)
+    recorder = Recorder()
+    trainer.add_callback(recorder)
+    losses = []
+    compute_loss = trainer.compute_loss
+    trainer.compute_loss = lambda *a, **k: losses.append(compute_loss(*a, **k)) or losses[-1]
+    start = [p.detach().clone() for p in model.parameters()]
+    trainer.train()
+
+    assert len(batches) == 2 and len(losses) == 2 and len(recorder.scaled) == 2
+    assert any(not torch.equal(a, p) for a, p in zip(start, model.parameters()))
+    logs = [h for h in trainer.state.log_history if "vcpo/ess_ratio" in h]
+    assert len(logs) == 2
+    for (out, policy), loss, log, scaled, base, after in zip(batches, losses, logs, recorder.scaled, recorder.base,
+                                                             recorder.after):
+        res, rho, scale = reference(policy, out, VCPOConfig())
+        assert 0.05 < rho < 0.95  # off-policy: the check of the lr scale is not the trivial 1
+        torch.testing.assert_close(out["advantages"].double(), res.advantages, rtol=1e-4, atol=1e-4)
+        assert log["vcpo/ess_ratio"] == pytest.approx(rho, rel=1e-4)
+        assert log["vcpo/ess"] == pytest.approx(rho * len(out["advantages"]), rel=1e-4)
+        assert log["vcpo/lr_scale"] == pytest.approx(scale, rel=1e-4)
+        assert log["vcpo/baseline_mean"] == pytest.approx(float(res.baseline.mean()), rel=1e-4, abs=1e-4)
+        # One chunk per generation batch: its loss is the whole batch's (the rows are shuffled; a mean is not).
+        assert float(loss) == pytest.approx(float(res.loss), rel=1e-4, abs=1e-5)
+        assert scaled == pytest.approx(base * scale, rel=1e-4) and after == base
+
+
+def test_parts_off_gradient_equals_grpo_trainer(tokenizer):
+    """No IS correction, group-mean advantages (TRL scale_rewards='none'), no ESS scaling, TRL's 'grpo'
+    aggregation (seq-mean-token-mean): VCPO's gradient on the batch equals GRPOTrainer's own."""
+    off = VCPOConfig(is_correction="none", advantage="grpo", norm_by_std=False, lr_rule=None,
+                     loss_agg_mode="seq-mean-token-mean", grad_norms="uniform")
+    grads, outs = [], []
+    for cls, config_cls, extra in ((GRPOTrainer, GRPOConfig, {}), (VCPOGRPOTrainer, VCPOGRPOConfig,
+                                                                    {"vcpo_config": off})):
+        model = tiny_model(tokenizer)
+        trainer = make(cls, tokenizer, model, config_cls, loss_type="grpo", scale_rewards="none", **extra)
+        trainer.current_gradient_accumulation_steps = 1  # set by the training loop, which this test skips
+        model.train()
+        batch = next(iter(trainer.get_train_dataloader()))
+        torch.manual_seed(0)
+        inputs = trainer._prepare_inputs(batch)
+        model.zero_grad()
+        trainer.compute_loss(model, inputs).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        outs.append(inputs)
+    trl_in, vcpo_in = outs
+    assert torch.equal(trl_in["completion_ids"], vcpo_in["completion_ids"])  # the same batch, row for row
+    torch.testing.assert_close(vcpo_in["advantages"], trl_in["advantages"], rtol=1e-5, atol=1e-6)
+    assert sum(float(g.abs().sum()) for g in grads[0]) > 0
+    for g_trl, g_vcpo in zip(*grads):
+        torch.testing.assert_close(g_vcpo, g_trl, rtol=1e-4, atol=1e-7)
+
+
+def test_steps_per_generation_baselines_once_per_generation_batch(tokenizer, stale_behaviour):
+    """steps_per_generation=3 with 4-sequence chunks: TRL shuffles the 12-sequence generation batch and splits
+    it, so chunks hold parts of prompt groups. Every chunk's advantages are the whole batch's (by row), both
+    optimizer steps of it take its lr scale, and each step's loss is its chunk's share."""
+    model = tiny_model(tokenizer)
+    batches = stale_behaviour(model)
+    trainer = make(VCPOGRPOTrainer, tokenizer, model, per_device_train_batch_size=4, steps_per_generation=3,
+                   max_steps=3)
+    recorder = Recorder()
+    trainer.add_callback(recorder)
+    chunks = []
+    prepare = trainer._prepare_inputs
+    trainer._prepare_inputs = lambda batch: chunks.append(prepare(batch)) or chunks[-1]
+    trainer.train()
+
+    assert len(batches) == 1 and len(chunks) == 3
+    out, policy = batches[0]
+    res, rho, scale = reference(policy, out, VCPOConfig())
+    assert 0.05 < rho < 0.95
+    rows = {(tuple(p.tolist()), tuple(c.tolist())): a for p, c, a in
+            zip(out["prompt_ids"], out["completion_ids"], res.advantages)}
+    split_groups = 0
+    for chunk in chunks:
+        expected = torch.stack([rows[(tuple(p.tolist()), tuple(c.tolist()))]
+                                for p, c in zip(chunk["prompt_ids"], chunk["completion_ids"])])
+        torch.testing.assert_close(chunk["advantages"].double(), expected, rtol=1e-4, atol=1e-4)
+        split_groups += len({tuple(p.tolist()) for p in chunk["prompt_ids"]}) > 1
+        assert chunk["vcpo_share"] == 1.0  # one chunk per optimizer step (gradient_accumulation_steps=1)
+    assert split_groups > 0  # the chunks do cut the prompt groups
+    assert len(recorder.scaled) == 3
+    for scaled, base in zip(recorder.scaled, recorder.base):
+        assert scaled == pytest.approx(base * scale, rel=1e-4)
+
+
+def test_chunk_shares_of_an_accumulated_step(tokenizer):
+    """gradient_accumulation_steps=2, token-mean: a step's two chunks weigh by their token counts."""
+    trainer = make(VCPOGRPOTrainer, tokenizer, tiny_model(tokenizer), per_device_train_batch_size=4,
+                   gradient_accumulation_steps=2, steps_per_generation=4,
+                   vcpo_config=VCPOConfig(loss_agg_mode="token-mean"))
+    masks = [torch.tensor([[1, 1, 0], [1, 0, 0]]), torch.tensor([[1, 1, 1], [0, 0, 0]]),
+             torch.tensor([[1, 0, 0], [0, 0, 0]]), torch.tensor([[0, 0, 0], [0, 0, 0]])]
+    chunks = [{"completion_mask": m} for m in masks]
+    trainer._set_shares(chunks)
+    assert [c["vcpo_share"] for c in chunks] == [3 / 6, 3 / 6, 1.0, 0.0]
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ({"beta": 0.1}, "beta=0.1"),
+    ({"steps_per_generation": 3, "gradient_accumulation_steps": 2}, "steps_per_generation=3"),
+    ({"top_entropy_quantile": 0.5}, "top_entropy_quantile=0.5"),
+    ({"off_policy_mask_threshold": 0.5}, "off_policy_mask_threshold=0.5"),
+    ({"entropy_coef": 0.01}, "entropy bonus"),
+])
+def test_unsupported_options_are_refused(tokenizer, tmp_path, overrides, words):
+    model = tiny_model(tokenizer)
+    model.save_pretrained(tmp_path)  # beta > 0 loads a reference model from the model's folder
+    with pytest.raises(ValueError, match=words):
+        make(VCPOGRPOTrainer, tokenizer, str(tmp_path), **overrides)
+
+
+def test_unscorable_completions_are_refused(tokenizer):
+    trainer = make(VCPOGRPOTrainer, tokenizer, tiny_model(tokenizer))
+    trainer.reward_funcs = [lambda completions, **kwargs: [None] * len(completions)]
+    with pytest.raises(ValueError, match="no reward"):
+        trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+
+
+def test_core_package_does_not_import_trl():
+    code = "import sys, vcpo, vcpo.integrations; print('trl' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
