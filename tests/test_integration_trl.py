@@ -72,16 +72,20 @@ def completion_logp(model, out):
     return torch.log_softmax(logits / TEMPERATURE, -1).gather(-1, ids[:, -c:, None]).squeeze(-1)
 
 
-def brute_force_sq_norms(model, out):
-    """||grad sum_t log pi(y_it)||^2 over every parameter, one sequence at a time, in float64."""
+def brute_force_sq_norms(model, out, how):
+    """G_i of VCPOConfig.grad_norms `how`: ||grad sum_t log pi(y_it)||^2 over every parameter ("exact") or the LM
+    head's ("lm_head"), one sequence at a time in float64; the counted length ("length")."""
     mask = out["completion_mask"] != 0
+    if how == "length":
+        return mask.sum(1).double()
+    params = list(model.parameters() if how == "exact" else model.get_output_embeddings().parameters())
     norms = []
     for i in range(mask.shape[0]):
         row = {k: out[k][i:i + 1] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
         logp = completion_logp(model, row)
-        grads = torch.autograd.grad(torch.where(mask[i:i + 1], logp, 0).sum(), list(model.parameters()),
-                                    allow_unused=True)
-        norms.append(sum(((g.double() ** 2).sum() for g in grads if g is not None), torch.zeros((), dtype=torch.float64)))
+        grads = torch.autograd.grad(torch.where(mask[i:i + 1], logp, 0).sum(), params, allow_unused=True)
+        norms.append(sum(((g.double() ** 2).sum() for g in grads if g is not None),
+                         torch.zeros((), dtype=torch.float64)))
     return torch.stack(norms)
 
 
@@ -137,19 +141,22 @@ def reference(policy, out, config):
     behaviour = out["sampling_per_token_logps"].double()
     b = mask.shape[0]
     res = vcpo.policy_loss(logp, behaviour, config=config.replace(backend="torch"), mask=mask, rewards=reward_of(out),
-                           group_index=torch.arange(b) // N_GEN, grad_sq_norm=brute_force_sq_norms(policy, out))
+                           group_index=torch.arange(b) // N_GEN,
+                           grad_sq_norm=brute_force_sq_norms(policy, out, config.grad_norms))
     # The ESS and lr scale from their definitions: w_i = exp(sum_t log pi - log mu), rho = (sum w)^2 / (B sum w^2).
     w = torch.where(mask, logp - behaviour, 0).sum(1).exp()
     rho = w.sum() ** 2 / (b * (w ** 2).sum())
     return res, float(rho), math.sqrt(min(1.0, float(rho)))
 
 
-def test_vcpo_trains_and_matches_policy_loss(tokenizer, stale_behaviour):
-    """Two steps of one generation batch each: advantages, ESS, lr scale and the loss against float64
-    recomputations on the same completions; the scaled lr is in the step and restored after it."""
+@pytest.mark.parametrize("grad_norms", ["exact", "lm_head", "length"])
+def test_vcpo_trains_and_matches_policy_loss(tokenizer, stale_behaviour, grad_norms):
+    """Two steps of one generation batch each: advantages (with each kind of G_i), ESS, lr scale and the loss
+    against float64 recomputations on the same completions; the scaled lr is in the step and restored after it."""
     model = tiny_model(tokenizer)
     batches = stale_behaviour(model)
-    trainer = make(VCPOGRPOTrainer, tokenizer, model)
+    config = VCPOConfig(grad_norms=grad_norms)
+    trainer = make(VCPOGRPOTrainer, tokenizer, model, vcpo_config=config)
     recorder = Recorder()
     trainer.add_callback(recorder)
     losses = []
@@ -164,7 +171,7 @@ def test_vcpo_trains_and_matches_policy_loss(tokenizer, stale_behaviour):
     assert len(logs) == 2
     for (out, policy), loss, log, scaled, base, after in zip(batches, losses, logs, recorder.scaled, recorder.base,
                                                              recorder.after):
-        res, rho, scale = reference(policy, out, VCPOConfig())
+        res, rho, scale = reference(policy, out, config)
         assert 0.05 < rho < 0.95  # off-policy: the check of the lr scale is not the trivial 1
         torch.testing.assert_close(out["advantages"].double(), res.advantages, rtol=1e-4, atol=1e-4)
         assert log["vcpo/ess_ratio"] == pytest.approx(rho, rel=1e-4)
