@@ -169,6 +169,8 @@ def test_vcpo_trains_and_matches_policy_loss(tokenizer, stale_behaviour, grad_no
     assert any(not torch.equal(a, p) for a, p in zip(start, model.parameters()))
     logs = [h for h in trainer.state.log_history if "vcpo/ess_ratio" in h]
     assert len(logs) == 2
+    # The completions table (the last generation batch) shows the advantages trained on.
+    assert list(trainer._logs["advantages"]) == batches[-1][0]["advantages"].tolist()
     for (out, policy), loss, log, scaled, base, after in zip(batches, losses, logs, recorder.scaled, recorder.base,
                                                              recorder.after):
         res, rho, scale = reference(policy, out, config)

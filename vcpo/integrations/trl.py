@@ -132,6 +132,10 @@ class VCPOGRPOTrainer(GRPOTrainer):
                              group_index=group_index, num_groups=b // self.num_generations,
                              grad_sq_norm=grad_sq_norm)
         out["advantages"] = result.advantages.to(logp.dtype)
+        logged = self._logs["advantages"]  # the completions table shows the advantages trained on
+        for _ in range(min(b, len(logged))):
+            logged.pop()
+        logged.extend(out["advantages"].tolist())
         out["vcpo_behavior_logps"] = behavior
         stats = torch.stack([result.ess_ratio, result.lr_scale, result.ess, result.baseline.mean(),
                              result.is_clip_fraction, grad_sq_norm.mean() if grad_sq_norm is not None
