@@ -134,8 +134,8 @@ def stale_behaviour(monkeypatch):
 
 
 def reference(policy, out, config):
-    """The generation batch under `policy` (a snapshot) through vcpo.policy_loss in float64, with brute-force G_i, the rewards recomputed
-    from the completions and the prompt groups from TRL's layout (runs of N_GEN rows)."""
+    """The generation batch under `policy` (a snapshot) through vcpo.policy_loss in float64, with brute-force G_i,
+    the rewards recomputed from the completions and the prompt groups from TRL's layout (runs of N_GEN rows)."""
     mask = out["completion_mask"] != 0
     logp = completion_logp(policy, out).detach()
     behaviour = out["sampling_per_token_logps"].double()
@@ -281,4 +281,5 @@ def test_unscorable_completions_are_refused(tokenizer):
 
 def test_core_package_does_not_import_trl():
     code = "import sys, vcpo, vcpo.integrations; print('trl' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "False"

@@ -41,6 +41,12 @@ class VCPOGRPOConfig(GRPOConfig):
         return d
 
 
+def _loss_mask(batch) -> torch.Tensor:
+    """The tokens TRL's loss counts: the completion's, less tool output in multi-turn rollouts (bool [B, C])."""
+    mask = batch["completion_mask"] != 0
+    return mask if "tool_mask" not in batch else mask & (batch["tool_mask"] != 0)
+
+
 class _ESSLearningRate(TrainerCallback):
     """Every param group's lr times the generation batch's lr scale around each optimizer step, restored after."""
 
@@ -118,8 +124,7 @@ class VCPOGRPOTrainer(GRPOTrainer):
         b = rewards.shape[0]
         # TRL's sampler repeats each prompt num_generations times in a row: a group is a run of that many rows.
         group_index = torch.arange(b, device=rewards.device) // self.num_generations
-        mask = out["completion_mask"] if "tool_mask" not in out else out["completion_mask"] * out["tool_mask"]
-        mask = mask != 0
+        mask = _loss_mask(out)
         logp, grad_sq_norm = self._logps_and_norms(out, mask)
         behavior = out.get("sampling_per_token_logps")
         if behavior is not None:  # tokens vLLM could not score: weight 1, as TRL does
@@ -209,8 +214,7 @@ class VCPOGRPOTrainer(GRPOTrainer):
         mode = self.vcpo_config.loss_agg_mode
         counts = []
         for x in chunks:
-            m = x["completion_mask"] if "tool_mask" not in x else x["completion_mask"] * x["tool_mask"]
-            counts.append(float(agg_count((m != 0).sum(1), mode)))
+            counts.append(float(agg_count(_loss_mask(x).sum(1), mode)))
         k = self.args.gradient_accumulation_steps
         for j, x in enumerate(chunks):
             window = sum(counts[j - j % k: j - j % k + k])
@@ -223,10 +227,9 @@ class VCPOGRPOTrainer(GRPOTrainer):
             return super()._compute_loss(model, inputs)
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
         attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
-        mask = inputs["completion_mask"] if "tool_mask" not in inputs else inputs["completion_mask"] * inputs["tool_mask"]
         logp, _, _ = self._get_per_token_logps_and_entropies(model, ids, attention, inputs["completion_ids"].shape[1])
         # Bypass mode: the behaviour policy is the proximal one; the advantages are the generation batch's.
-        out = policy_loss(logp, inputs["vcpo_behavior_logps"], config=self.vcpo_config, mask=mask != 0,
+        out = policy_loss(logp, inputs["vcpo_behavior_logps"], config=self.vcpo_config, mask=_loss_mask(inputs),
                           advantages=inputs["advantages"].to(logp.dtype))
         self._metrics["train"]["policy_loss"].append(out.loss.item())
         return out.loss * inputs["vcpo_share"]
