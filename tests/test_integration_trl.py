@@ -3,7 +3,9 @@ built tokenizer: the generation batch's advantages, ESS and lr scale against flo
 completions, the loss against vcpo.policy_loss, the gradient with VCPO's parts off against GRPOTrainer's own, and
 baselines formed once over a generation batch that steps_per_generation splits into several optimizer steps."""
 
+import copy
 import math
+import os
 import subprocess
 import sys
 
@@ -105,24 +107,27 @@ class Recorder(TrainerCallback):
 
 
 @pytest.fixture
-def stale_behaviour(monkeypatch):
-    """Behaviour log-probs from a stale policy: TRL's batch gets `sampling_per_token_logps` (as vLLM gives them)
-    from a perturbed copy of the policy, so the weights, ESS and lr scale are off-policy ones."""
+def recorded(monkeypatch):
+    """`install(policy, stale)`: every training generation batch of TRL, with a snapshot of the policy that made it;
+    with `stale`, its `sampling_per_token_logps` (as vLLM gives them) come from a perturbed copy of `policy`, so the
+    weights, ESS and lr scale are off-policy ones."""
     batches = []
 
-    def install(policy):
-        torch.manual_seed(1)
-        stale = snapshot(policy)
-        with torch.no_grad():
-            for p in stale.parameters():
-                p.add_(1.5 * p.std().nan_to_num(0) * torch.randn_like(p))
+    def install(policy, stale=True):
+        if stale:
+            torch.manual_seed(1)
+            stale = snapshot(policy)
+            with torch.no_grad():
+                for p in stale.parameters():
+                    p.add_(1.5 * p.std().nan_to_num(0) * torch.randn_like(p))
         original = GRPOTrainer._generate_and_score_completions
 
         def generate(self, inputs):
             out = original(self, inputs)
             if self.model.training:
-                with torch.no_grad():
-                    out["sampling_per_token_logps"] = completion_logp(stale, out).float()
+                if stale:
+                    with torch.no_grad():
+                        out["sampling_per_token_logps"] = completion_logp(stale, out).float()
                 # The policy before this batch's steps, for the float64 references.
                 batches.append((out, snapshot(self.model)))  # out: VCPO's fields are added to it after
             return out
@@ -150,11 +155,11 @@ def reference(policy, out, config):
 
 
 @pytest.mark.parametrize("grad_norms", ["exact", "lm_head", "length"])
-def test_vcpo_trains_and_matches_policy_loss(tokenizer, stale_behaviour, grad_norms):
+def test_vcpo_trains_and_matches_policy_loss(tokenizer, recorded, grad_norms):
     """Two steps of one generation batch each: advantages (with each kind of G_i), ESS, lr scale and the loss
     against float64 recomputations on the same completions; the scaled lr is in the step and restored after it."""
     model = tiny_model(tokenizer)
-    batches = stale_behaviour(model)
+    batches = recorded(model)
     config = VCPOConfig(grad_norms=grad_norms)
     trainer = make(VCPOGRPOTrainer, tokenizer, model, vcpo_config=config)
     recorder = Recorder()
@@ -212,12 +217,12 @@ def test_parts_off_gradient_equals_grpo_trainer(tokenizer):
         torch.testing.assert_close(g_vcpo, g_trl, rtol=1e-4, atol=1e-7)
 
 
-def test_steps_per_generation_baselines_once_per_generation_batch(tokenizer, stale_behaviour):
+def test_steps_per_generation_baselines_once_per_generation_batch(tokenizer, recorded):
     """steps_per_generation=3 with 4-sequence chunks: TRL shuffles the 12-sequence generation batch and splits
     it, so chunks hold parts of prompt groups. Every chunk's advantages are the whole batch's (by row), both
     optimizer steps of it take its lr scale, and each step's loss is its chunk's share."""
     model = tiny_model(tokenizer)
-    batches = stale_behaviour(model)
+    batches = recorded(model)
     trainer = make(VCPOGRPOTrainer, tokenizer, model, per_device_train_batch_size=4, steps_per_generation=3,
                    max_steps=3)
     recorder = Recorder()
@@ -283,3 +288,50 @@ def test_core_package_does_not_import_trl():
     code = "import sys, vcpo, vcpo.integrations; print('trl' in sys.modules)"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert run.stdout.strip() == "False"
+
+
+def test_vllm_colocate_sampling_logprobs(tokenizer, recorded, monkeypatch, tmp_path):
+    """TRL's vLLM colocate mode with vLLM's CPU build (in-process engine): the behaviour policy is vLLM's sampling
+    log-probs, and the generation batch's ESS, lr scale and advantages against float64 references with them, over
+    two optimizer steps (steps_per_generation=2). TRL's own weight sync calls model.load_weights, which vLLM's CPU
+    runner does not support; the test syncs through vLLM's reload_weights from a safetensors folder instead."""
+    import trl.generation.vllm_generation as vllm_generation
+
+    for name, value in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_ENABLE_V1_MULTIPROCESSING", "0")):
+        monkeypatch.setenv(name, value)
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):  # TRL sets them for vLLM
+        monkeypatch.setenv(name, os.environ.get(name, ""))
+        monkeypatch.delenv(name)
+    sync_dir = tmp_path / "sync"
+
+    def sync_weights(self):
+        self.accelerator.unwrap_model(self.model).save_pretrained(sync_dir)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(sync_dir)})
+        self.llm.reset_prefix_cache()
+
+    monkeypatch.setattr(vllm_generation.VLLMGeneration, "sync_weights", sync_weights)
+    tokenizer = copy.copy(tokenizer)
+    tokenizer.padding_side = "left"
+    model = build_model(TinyRecipe(hidden_size=64, num_heads=2, intermediate_size=128, num_layers=1), len(tokenizer))
+    model.save_pretrained(tmp_path / "model")  # vLLM's CPU attention needs head_dim >= 32
+    tokenizer.save_pretrained(tmp_path / "model")
+    batches = recorded(model, stale=False)
+    trainer = make(VCPOGRPOTrainer, tokenizer, str(tmp_path / "model"), use_vllm=True, vllm_mode="colocate",
+                   vllm_max_model_length=64, vllm_enable_sleep_mode=False, steps_per_generation=2, max_steps=2)
+    recorder = Recorder()
+    trainer.add_callback(recorder)
+    try:
+        trainer.train()
+    finally:
+        del trainer.vllm_generation.llm
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    assert len(batches) == 1 and len(recorder.scaled) == 2
+    out, policy = batches[0]
+    assert torch.equal(out["vcpo_behavior_logps"], out["sampling_per_token_logps"])
+    res, rho, scale = reference(policy, out, VCPOConfig())
+    log = next(h for h in trainer.state.log_history if "vcpo/ess_ratio" in h)
+    torch.testing.assert_close(out["advantages"].double(), res.advantages, rtol=1e-4, atol=1e-4)
+    assert log["vcpo/ess_ratio"] == pytest.approx(rho, rel=1e-5) and log["vcpo/lr_scale"] == pytest.approx(scale, rel=1e-5)
+    for scaled, base in zip(recorder.scaled, recorder.base):
+        assert scaled == pytest.approx(base * scale, rel=1e-5)
