@@ -4,6 +4,7 @@ completions, the loss against vcpo.policy_loss, the gradient with VCPO's parts o
 baselines formed once over a generation batch that steps_per_generation splits into several optimizer steps."""
 
 import copy
+import json
 import math
 import os
 import subprocess
@@ -282,6 +283,12 @@ def test_unscorable_completions_are_refused(tokenizer):
     trainer.reward_funcs = [lambda completions, **kwargs: [None] * len(completions)]
     with pytest.raises(ValueError, match="no reward"):
         trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+
+
+def test_config_serialises_for_the_loggers():
+    args = VCPOGRPOConfig(output_dir="/tmp/vcpo-trl-test", report_to=[], use_cpu=True,
+                          vcpo_config=VCPOConfig(is_threshold=4.0, clip_ratio=(0.2, 0.3)))
+    assert json.loads(args.to_json_string())["vcpo_config"]["is_threshold"] == 4.0
 
 
 def test_core_package_does_not_import_trl():
