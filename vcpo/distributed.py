@@ -35,12 +35,12 @@ def agg_count(length: Tensor, loss_agg_mode: str) -> Tensor:
     return length.sum() if loss_agg_mode == "token-mean" else (length > 0).sum()
 
 
-def global_share(part_length: Tensor, all_length: Tensor, loss_agg_mode: str) -> Tensor:
-    """agg_count(part) / agg_count(all), float64: a loss aggregated over the sequences of `part` alone, times
-    this, is their share of the loss aggregated over `all` (0 when `part` counts nothing). Ranks here, and the
-    micro-batches of vcpo.step."""
-    whole = agg_count(all_length, loss_agg_mode).double().clamp(min=1)
-    return agg_count(part_length, loss_agg_mode).double() / whole
+def global_share(part_length: Tensor, whole_count, loss_agg_mode: str) -> Tensor:
+    """agg_count(part) / whole_count, float64: a loss aggregated over the sequences of `part` alone, times this,
+    is their share of the loss aggregated over a batch whose agg_count is `whole_count` (a number or a tensor;
+    0 when `part` counts nothing). Ranks here, and the micro-batches of vcpo.step."""
+    part = agg_count(part_length, loss_agg_mode).double()
+    return part / torch.as_tensor(whole_count, dtype=part.dtype, device=part.device).clamp(min=1)
 
 
 def policy_loss(logp: Tensor, behavior_logp: Tensor, *, process_group, options, validate: bool = True,
@@ -93,7 +93,7 @@ def policy_loss(logp: Tensor, behavior_logp: Tensor, *, process_group, options, 
     out = vcpo_kernels.policy_loss(logp, behavior_logp, mask=mask, cu_seqlens=cu_seqlens, old_logp=old_logp,
                                    advantages=adv_local.to(tokens.acc_dtype), options=options, validate=False,
                                    backend=backend)
-    share = world * global_share(stats.seq_length, length, options.loss_agg_mode)
+    share = world * global_share(stats.seq_length, agg_count(length, options.loss_agg_mode), options.loss_agg_mode)
     if options.loss_agg_mode == "seq-mean-token-sum-norm" and options.norm_length is None and tokens.padded_length:
         # the default norm_length, T, of one batch padded to the longest rank's T (the op used this rank's)
         share = share * max(tokens.padded_length, 1) / every[:, 5].max().clamp(min=1)

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 import vcpo_kernels as vk
 
 from .config import VCPOConfig
-from .distributed import agg_count
+from .distributed import agg_count, global_share
 from .grad_norms import PerSequenceGradients, UnsupportedModuleError
 from .loss import policy_loss
 from .lr import scale_lr
@@ -293,7 +293,7 @@ def _micro_batch_dlogp(part: _Pass, mb: RolloutBatch, plan: _Plan, config: VCPOC
                          old_logp=None if mb.old_logp is None else mb.old_logp[:, 1:], rewards=mb.rewards,
                          group_index=mb.group_index, num_groups=plan.num_groups, grad_sq_norm=part.grad_sq_norm,
                          options=plan.options, validate=False, backend=config.backend)
-    share = plan.world * agg_count(part.mask.sum(1), config.loss_agg_mode).double() / plan.count
+    share = plan.world * global_share(part.mask.sum(1), plan.count, config.loss_agg_mode)
     (dlogp,) = torch.autograd.grad(out.loss * share.to(out.loss.dtype), leaf)
     return dlogp
 
