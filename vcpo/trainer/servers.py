@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Callable, Optional, Sequence
 
@@ -59,22 +60,34 @@ def serve(argv: Sequence[str]) -> int:
     return 0
 
 
-def _end_with_parent() -> None:
-    """A server that LocalServers started (VCPO_SERVER_PARENT = the trainer's pid) gets SIGTERM when the trainer
-    dies, even by SIGKILL (Linux PR_SET_PDEATHSIG), then stops its engine processes and removes its temporary
-    folder (VCPO_SERVER_TMPDIR) on the way out: nothing outlives the run."""
+def _end_with_parent(grace: float = 10.0) -> None:
+    """A server that LocalServers started (VCPO_SERVER_PARENT = the trainer's pid) ends when the trainer dies,
+    even by SIGKILL: Linux sends it SIGTERM (PR_SET_PDEATHSIG), vLLM stops its engine processes, and the
+    temporary folder (VCPO_SERVER_TMPDIR) is removed on the way out. vLLM's HTTP server can then wait forever
+    for requests whose engine is gone, so a watcher thread removes the folder and SIGKILLs the server's session
+    `grace` seconds after the trainer is gone: nothing outlives the run."""
     parent = os.environ.pop(PARENT_ENV, None)
     if parent is None:
         return
-    tmp = os.environ.pop(TMPDIR_ENV, None)
+    parent_pid, tmp = int(parent), os.environ.pop(TMPDIR_ENV, None)
     if tmp is not None:
         atexit.register(shutil.rmtree, tmp, ignore_errors=True)
     if sys.platform.startswith("linux"):
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != int(parent):  # the trainer died before the request took effect
+    if os.getppid() != parent_pid:  # the trainer died before the request took effect
         sys.exit(f"vcpo serve: the trainer (pid {parent}) is gone")
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        time.sleep(grace)  # vLLM's own shutdown, started by the SIGTERM, had its chance
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        os.killpg(os.getpgrp(), signal.SIGKILL)  # the server and its engine processes (one session)
+
+    threading.Thread(target=watch, name="vcpo-parent-watch", daemon=True).start()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
