@@ -1,0 +1,334 @@
+"""The staleness sweep: the built-in task under each update rule at each bound k on the staleness, several seeds,
+plus the control a sceptic asks for first (each non-VCPO rule at VCPO's median effective learning rate).
+
+    .venv/bin/python bench/staleness_sweep.py --out runs/sweep --steps 300 --budget-minutes 240
+    .venv/bin/python bench/staleness_sweep.py --out runs/sweep --report-only
+
+Runs go one at a time (`vcpo train`, the main job's engine and core placement), seed by seed, so a cut-short
+sweep has whole tables for its first seeds. A finished run (summary.json, not interrupted) is skipped; an
+unfinished one is resumed. Before each run the budget is checked against the median duration of the runs done so
+far. The report (OUT/sweep.md, OUT/sweep.json, OUT/curves.png, OUT/accuracy.png) is written from the run folders
+alone. Definitions (collapse, the ESS lead time) are in `collapse_step` and `ess_lead`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+# rule name -> `vcpo train` arguments; the loss presets are vcpo.trainer.config.LOSS_PRESETS
+RULES = {
+    "vcpo": ["--loss", "vcpo"],
+    "vcpo-no-ess": ["--loss", "vcpo", "--no-ess-scaling"],
+    "vcpo-no-opob": ["--loss", "vcpo", "--no-opob"],
+    "seq-tis": ["--loss", "seq-tis"],
+    "grpo": ["--loss", "grpo"],
+    "token-tis": ["--loss", "token-tis"],
+    "mis": ["--loss", "mis"],
+    "ppo": ["--loss", "ppo"],
+}
+CONTROL = "@vcpo-lr"  # suffix of a control run: the rule at lr x VCPO's median lr scale (same k, same seed)
+CONTROLLED = ("seq-tis", "grpo", "token-tis", "mis", "ppo")
+
+
+@dataclass(frozen=True)
+class Run:
+    rule: str  # a RULES key, or a CONTROLLED key + CONTROL
+    k: int
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.rule}-k{self.k}-s{self.seed}"
+
+    @property
+    def base_rule(self) -> str:
+        return self.rule.removesuffix(CONTROL)
+
+
+def plan(rules: list[str], ks: list[int], seeds: list[int], controls: bool) -> list[Run]:
+    """Seed by seed, k by k: VCPO first (a control needs its lr scale), then the other rules, then the controls."""
+    ordered = ["vcpo"] + [r for r in rules if r != "vcpo"]
+    runs = []
+    for seed in seeds:
+        for k in ks:
+            runs += [Run(r, k, seed) for r in ordered]
+            if controls:
+                runs += [Run(r + CONTROL, k, seed) for r in rules if r in CONTROLLED]
+    return runs
+
+
+# -- the curves' facts ------------------------------------------------------------------------------------------
+def trailing_mean(values: list[float], window: int) -> list[float]:
+    """Entry t: the mean of values[max(0, t - window + 1) : t + 1]."""
+    out, acc = [], 0.0
+    for t, v in enumerate(values):
+        acc += v - (values[t - window] if t >= window else 0.0)
+        out.append(acc / min(t + 1, window))
+    return out
+
+
+def collapse_window(steps: int) -> int:
+    """The trailing window of the collapse test: 100 steps, or a tenth of a shorter run (at least 10)."""
+    return min(100, max(10, steps // 10))
+
+
+def collapse_step(rewards: list[float], window: int, fraction: float = 0.5, min_best: float = 0.2) -> Optional[int]:
+    """A run collapsed at step t (1-based) when its trailing-`window` mean reward, having reached a best of at least
+    `min_best`, falls below `fraction` x that best at t and stays below to the end of the run. None: no collapse."""
+    smooth = trailing_mean(rewards, window)
+    if not smooth:
+        return None
+    best_at = max(range(len(smooth)), key=smooth.__getitem__)
+    best = smooth[best_at]
+    if best < min_best:
+        return None
+    t = len(smooth)
+    while t > best_at + 1 and smooth[t - 1] < fraction * best:
+        t -= 1
+    return t + 1 if t < len(smooth) else None
+
+
+def ess_lead(ess: list[float], collapse: Optional[int], window: int, level: float = 0.5) -> Optional[int]:
+    """Steps between the ESS ratio falling and a collapse at step `collapse`: with the trailing-`window` mean ESS
+    ratio below `level` at the collapse step, the length of the stretch of steps before it that stayed below.
+    None when there is no collapse or the ESS ratio was not below `level` when it came."""
+    if collapse is None:
+        return None
+    smooth = trailing_mean(ess, window)
+    t = collapse - 1
+    if smooth[t] >= level:
+        return None
+    start = t
+    while start > 0 and smooth[start - 1] < level:
+        start -= 1
+    return t - start
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    if not values:
+        return math.nan, math.nan
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+# -- one run ------------------------------------------------------------------------------------------------------
+def finished(folder: str, steps: int) -> bool:
+    path = os.path.join(folder, "summary.json")
+    if not os.path.isfile(path):
+        return False
+    summary = json.load(open(path))
+    return not summary["interrupted"] and summary["steps"] >= steps
+
+
+def read_rows(folder: str) -> list[dict]:
+    path = os.path.join(folder, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def control_lr(out: str, run: Run, lr: float) -> float:
+    """lr x the median lr scale of the VCPO run at the same k and seed (which ran before)."""
+    vcpo = os.path.join(out, Run("vcpo", run.k, run.seed).name)
+    rows = read_rows(vcpo)
+    if not rows:
+        raise RuntimeError(f"{run.name} needs the finished VCPO run {vcpo} for its learning rate")
+    return lr * statistics.median(r["lr_scale"] for r in rows)
+
+
+def train_args(out: str, run: Run, args) -> list[str]:
+    folder = os.path.join(out, run.name)
+    if os.path.isfile(os.path.join(folder, "config.json")):  # started before: continue it
+        return ["--resume", folder, "--no-progress"]
+    lr = control_lr(out, run, args.lr) if run.rule.endswith(CONTROL) else args.lr
+    return [*RULES[run.base_rule], "--max-staleness", str(run.k), "--seed", str(run.seed), "--steps",
+            str(args.steps), "--lr", repr(lr), "--output-dir", folder, "--no-progress", *args.train_args]
+
+
+def sweep(args) -> None:
+    runs = plan(args.rules, args.ks, args.seeds, args.controls)
+    os.makedirs(args.out, exist_ok=True)
+    t0, durations = time.monotonic(), []
+    for i, run in enumerate(runs, 1):
+        folder = os.path.join(args.out, run.name)
+        if finished(folder, args.steps):
+            continue
+        spent = (time.monotonic() - t0) / 60
+        expected = statistics.median(durations) / 60 if durations else 0.0
+        if args.budget_minutes is not None and spent + expected > args.budget_minutes:
+            print(f"budget: {spent:.0f} of {args.budget_minutes:.0f} min spent, a run takes about {expected:.0f} min:"
+                  f" stopping before {run.name} ({len(runs) - i + 1} runs left)", flush=True)
+            break
+        print(f"[{i}/{len(runs)}] {run.name} ...", flush=True)
+        started = time.monotonic()
+        log_path = os.path.join(args.out, run.name + ".log")
+        with open(log_path, "a") as log:
+            code = subprocess.call([sys.executable, "-m", "vcpo.cli", "train", *train_args(args.out, run, args)],
+                                   stdout=log, stderr=subprocess.STDOUT)
+        durations.append(time.monotonic() - started)
+        if code != 0:
+            raise SystemExit(f"{run.name} failed (exit {code}); its log: {log_path}")
+        rows = read_rows(folder)
+        tail = rows[-max(1, len(rows) // 10):]
+        print(f"[{i}/{len(runs)}] {run.name}: {durations[-1]:.0f} s, reward over the last 10% "
+              f"{statistics.fmean(r['reward'] for r in tail):.3f}", flush=True)
+
+
+# -- the report ---------------------------------------------------------------------------------------------------
+def describe_run(folder: str, steps: int) -> dict:
+    """The facts of one finished run that the tables aggregate."""
+    rows = read_rows(folder)
+    summary = json.load(open(os.path.join(folder, "summary.json")))
+    config = json.load(open(os.path.join(folder, "config.json")))
+    window = collapse_window(steps)
+    rewards, ess = [r["reward"] for r in rows], [r["ess_ratio"] for r in rows]
+    collapse = collapse_step(rewards, window)
+    tail = rows[-max(1, len(rows) // 10):]
+    return {"final_accuracy": (summary["final_eval"] or {}).get("accuracy", math.nan),
+            "eval_size": config["settings"]["eval_size"], "lr": config["lr"],
+            "reward_last_10pct": statistics.fmean(r["reward"] for r in tail),
+            "collapse_step": collapse, "ess_lead": ess_lead(ess, collapse, window),
+            "ess_ratio_median": statistics.median(ess),
+            "lr_scale_median": statistics.median(r["lr_scale"] for r in rows),
+            "wall_seconds": summary["wall_seconds"], "rewards": rewards, "ess": ess}
+
+
+def aggregate(described: dict[Run, dict]) -> list[dict]:
+    """One row per (rule, k) over its seeds."""
+    cells: dict[tuple[str, int], list[dict]] = {}
+    for run, d in described.items():
+        cells.setdefault((run.rule, run.k), []).append(d)
+    table = []
+    for (rule, k), ds in sorted(cells.items(), key=lambda c: (c[0][1], c[0][0])):
+        acc = mean_std([d["final_accuracy"] for d in ds])
+        p = acc[0]
+        collapses = [d["collapse_step"] for d in ds if d["collapse_step"] is not None]
+        leads = [d["ess_lead"] for d in ds if d["collapse_step"] is not None]
+        table.append({
+            "rule": rule, "k": k, "seeds": len(ds), "final_accuracy": acc,
+            # the binomial standard error of one evaluation on eval_size prompts, at the mean accuracy
+            "eval_noise": math.sqrt(p * (1 - p) / ds[0]["eval_size"]) if 0 <= p <= 1 else math.nan,
+            "reward_last_10pct": mean_std([d["reward_last_10pct"] for d in ds]),
+            "collapses": len(collapses), "collapse_steps": collapses, "ess_leads": leads,
+            "ess_ratio_median": statistics.median(d["ess_ratio_median"] for d in ds),
+            "lr_scale_median": statistics.median(d["lr_scale_median"] for d in ds),
+            "lr": statistics.median(d["lr"] for d in ds),
+            "wall_seconds": statistics.fmean(d["wall_seconds"] for d in ds)})
+    return table
+
+
+def markdown(table: list[dict]) -> str:
+    lines = ["| rule | k | seeds | final acc (mean +- std) | eval noise | reward last 10% | collapses (step; ESS lead) "
+             "| ESS ratio med | lr scale med | lr | wall s |", "|" + "---|" * 11]
+    for row in table:
+        falls = ", ".join(f"{s}; {'-' if lead is None else lead}"
+                          for s, lead in zip(row["collapse_steps"], row["ess_leads"]))
+        lines.append(f"| {row['rule']} | {row['k']} | {row['seeds']} | {row['final_accuracy'][0]:.3f} +- "
+                     f"{row['final_accuracy'][1]:.3f} | {row['eval_noise']:.3f} | {row['reward_last_10pct'][0]:.3f} +- "
+                     f"{row['reward_last_10pct'][1]:.3f} | {row['collapses']}{f' ({falls})' if falls else ''} | "
+                     f"{row['ess_ratio_median']:.3f} | {row['lr_scale_median']:.3f} | {row['lr']:.2e} | "
+                     f"{row['wall_seconds']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def figures(described: dict[Run, dict], out: str, window: int) -> None:
+    """curves.png: the seed-mean trailing reward against step, a panel per k, the ESS ratio below; accuracy.png:
+    the final held-out accuracy against k per rule."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ks = sorted({run.k for run in described})
+    rules = sorted({run.rule for run in described})
+    fig, axes = plt.subplots(2, len(ks), figsize=(4 * len(ks), 7), squeeze=False, sharey="row")
+    for col, k in enumerate(ks):
+        for rule in rules:
+            ds = [d for run, d in described.items() if run.k == k and run.rule == rule]
+            if not ds:
+                continue
+            for row, key in ((0, "rewards"), (1, "ess")):
+                n = min(len(d[key]) for d in ds)
+                mean = [statistics.fmean(d[key][t] for d in ds) for t in range(n)]
+                axes[row][col].plot(range(1, n + 1), trailing_mean(mean, window), label=rule, lw=1)
+        axes[0][col].set_title(f"k = {k}")
+        axes[1][col].set_xlabel("step")
+    axes[0][0].set_ylabel(f"reward (trailing {window}-step mean)")
+    axes[1][0].set_ylabel("ESS ratio (same smoothing)")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "curves.png"), dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for rule in rules:
+        points = [(k, mean_std([d["final_accuracy"] for run, d in described.items() if run.k == k and run.rule == rule]))
+                  for k in ks]
+        points = [(k, m, s) for k, (m, s) in points if not math.isnan(m)]
+        ax.errorbar([p[0] for p in points], [p[1] for p in points], [p[2] for p in points], label=rule, capsize=3)
+    ax.set_xlabel("k (staleness bound)")
+    ax.set_ylabel("final held-out accuracy")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "accuracy.png"), dpi=110)
+    plt.close(fig)
+
+
+def report(args) -> None:
+    runs = plan(args.rules, args.ks, args.seeds, args.controls)
+    described = {run: describe_run(os.path.join(args.out, run.name), args.steps) for run in runs
+                 if finished(os.path.join(args.out, run.name), args.steps)}
+    if not described:
+        raise SystemExit(f"{args.out}: no finished run of this grid yet")
+    table = aggregate(described)
+    text = markdown(table)
+    with open(os.path.join(args.out, "sweep.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(args.out, "sweep.json"), "w") as f:
+        json.dump(table, f, indent=1)
+    figures(described, args.out, collapse_window(args.steps))
+    print(text + f"\n{len(described)} of {len(runs)} runs finished; collapse: the trailing "
+          f"{collapse_window(args.steps)}-step mean reward below half its best (>= 0.2) to the end; ESS lead: steps "
+          f"the same mean ESS ratio stayed below 0.5 before the collapse. Written to {args.out}/")
+
+
+def main() -> None:
+    def names(text: str) -> list[str]:
+        rules = [r.strip() for r in text.split(",") if r.strip()]
+        unknown = [r for r in rules if r not in RULES]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown rules {unknown}; known: {list(RULES)}")
+        return rules
+
+    def ints(text: str) -> list[int]:
+        return [int(v) for v in text.split(",") if v.strip()]
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="runs/sweep", help="the sweep's folder: one run folder per (rule, k, seed)")
+    p.add_argument("--rules", type=names, default=list(RULES))
+    p.add_argument("--ks", type=ints, default=[0, 4, 16, 32, 64])
+    p.add_argument("--seeds", type=ints, default=[0, 1, 2])
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--lr", type=float, default=3e-4, help="every rule's learning rate (the controls' base)")
+    p.add_argument("--no-controls", dest="controls", action="store_false",
+                   help="leave out the non-VCPO rules at VCPO's median effective learning rate")
+    p.add_argument("--budget-minutes", type=float, help="start no run that would end past this")
+    p.add_argument("--report-only", action="store_true", help="write the report of the finished runs, run nothing")
+    p.add_argument("train_args", nargs="*", help="after --: more `vcpo train` settings for every run")
+    args = p.parse_args()
+    if not args.report_only:
+        sweep(args)
+    report(args)
+
+
+if __name__ == "__main__":
+    main()
