@@ -24,9 +24,17 @@ def _value(text: str):
 
 SETTING_HELP = {
     "model": "a local Hugging Face causal LM folder (default: the built-in tiny Llama)",
-    "data": "a .jsonl or .parquet file of prompts and answers (default: the built-in addition task)",
-    "reward": "module:function, called as function(response, answer) -> float (default: exact match)",
+    "data": "a .jsonl or .parquet file or a `datasets` folder (save_to_disk) of prompts and answers (default: "
+            "the built-in addition task)",
+    "reward": "exact (exact match), math (math-verify: \\boxed{} or plain answers, symbolic equivalence) or "
+              "module:function, called as function(response, answer[, example]) -> float or dict with 'reward'; "
+              "may be async (default: exact)",
+    "reward_workers": "reward calls in flight at once", "reward_timeout": "seconds per reward call",
+    "reward_errors": "a reward call that raises or times out: raise (stop the run) or zero (score it 0)",
     "prompt_field": "the data's prompt column", "answer_field": "the data's answer column",
+    "chat_template": "auto (the tokenizer's chat template, if it has one), none (prompts as written) or a Jinja "
+                     "template file",
+    "system_prompt": "a system message before every prompt (needs a chat template)",
     "eval_size": "prompts held out for the greedy evaluation",
     "warm_start_steps": "built-in model: supervised steps before RL (cached)",
     "output_dir": "the run folder (default: runs/vcpo-<date>-<time>)",
@@ -41,6 +49,7 @@ SETTING_HELP = {
     "lr": "AdamW learning rate (default: 3e-4 on the tiny model, else 1e-6)", "weight_decay": "AdamW",
     "checkpoint_every": "steps between checkpoints", "keep_checkpoints": "checkpoints kept",
     "eval_every": "versions between greedy evaluations",
+    "report_to": "metrics also to tensorboard (<run>/tensorboard) and/or wandb (<run>/wandb), comma-separated",
     "engine": "process (vLLM in its own processes), inprocess, or server (a pool of vLLM servers, docs/scale.md)",
     "engine_cores": "CPU: the engine's cores, e.g. 1 (default: the last)",
     "trainer_cores": "CPU: the trainer's cores (default: the others)",

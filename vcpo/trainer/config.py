@@ -13,6 +13,8 @@ from typing import Any, Optional
 
 from vcpo.config import VCPOConfig
 
+from .report import parse_report_to
+
 # The update rules offered for comparison; each is a VCPOConfig (docs/trainer.md, "Update rules").
 LOSS_PRESETS: dict[str, dict[str, Any]] = {
     # sequence-level truncated IS (C = 8), OPOB with exact per-sequence norms, ESS-scaled lr
@@ -40,9 +42,14 @@ class TrainConfig:
     # what to train on; None = the embedded default (tiny Llama, addition task)
     model: Optional[str] = None
     data: Optional[str] = None
-    reward: Optional[str] = None  # "module:function", called as fn(response, answer) -> float
+    reward: Optional[str] = None  # exact (the default), math, or "module:function" (vcpo/trainer/rewards.py)
+    reward_workers: int = 4  # reward calls in flight at once
+    reward_timeout: float = 30.0  # seconds per reward call
+    reward_errors: str = "raise"  # a failed reward call: raise (stop the run) or zero (score 0)
     prompt_field: str = "prompt"
     answer_field: str = "answer"
+    chat_template: str = "auto"  # auto (the tokenizer's, if any), none, or a Jinja file (task.PromptFormat)
+    system_prompt: Optional[str] = None  # a system message before each prompt (needs a chat template)
     eval_size: int = 128  # prompts held out of the data for the greedy evaluation
     warm_start_steps: int = 220  # built-in model only: supervised steps before RL (cached)
     # the run
@@ -64,6 +71,7 @@ class TrainConfig:
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
     eval_every: int = 20
+    report_to: str = "none"  # metrics also to: tensorboard, wandb (comma-separated; vcpo/trainer/report.py)
     # the engine
     engine: str = "process"
     engine_cores: Optional[str] = None  # CPU: vLLM's worker cores, e.g. "1"; default: the last core
@@ -119,8 +127,15 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a finite number {'>=' if allow_zero else '>'} 0, got {v!r}")
 
         for name in ("steps", "prompts_per_step", "responses_per_prompt", "checkpoint_every", "keep_checkpoints",
-                     "trainer_ranks"):
+                     "trainer_ranks", "reward_workers"):
             positive_int(name)
+        positive_float("reward_timeout")
+        if self.reward_errors not in ("raise", "zero"):
+            raise ValueError(f"reward_errors must be raise or zero, got {self.reward_errors!r}")
+        if not isinstance(self.chat_template, str) or not self.chat_template:
+            raise ValueError(f"chat_template must be auto, none or a Jinja template file, got {self.chat_template!r}")
+        if self.chat_template not in ("auto", "none") and not os.path.isfile(self.chat_template):
+            raise ValueError(f"chat_template: no such Jinja template file {self.chat_template!r} (or: auto, none)")
         for name in ("max_staleness", "eval_every", "eval_size", "seed", "warm_start_steps"):
             positive_int(name, 0)
         if self.max_new_tokens is not None:
@@ -158,6 +173,7 @@ class TrainConfig:
             raise ValueError(f"prompts_per_step ({self.prompts_per_step}) must be a multiple of trainer_ranks "
                              f"({self.trainer_ranks}): each rank trains on whole prompt groups, as many as the others")
         self._validate_server_settings()
+        parse_report_to(self.report_to)
         self.vcpo_config()
         return self
 

@@ -38,7 +38,7 @@ BUILTIN_PROBLEMS = 10_000  # every such problem
 # settings a resumed run may change; the others define the run and must stay as they were
 RESUMABLE = {"steps", "output_dir", "checkpoint_every", "keep_checkpoints", "eval_every", "engine",
              "engine_cores", "trainer_cores", "kv_cache_gib", "gpu_memory_utilization", "engine_urls",
-             "engine_servers", "weights_dir", "weight_swap", "engine_timeout", "trainer_ranks"}
+             "engine_servers", "weights_dir", "weight_swap", "engine_timeout", "trainer_ranks", "report_to"}
 # the metrics of vcpo.step copied into each metrics.jsonl line
 STEP_METRICS = ("loss", "ess_ratio", "lr_scale", "is_clip_fraction", "mean_is_coef", "kl_k3", "ppo_clip_fraction",
                 "grad_norm", "grad_sq_norm_mean", "baseline_mean", "advantage_abs_mean")
@@ -89,7 +89,7 @@ def _follow(cfg: TrainConfig, ranks: TrainerRanks, resume: bool) -> None:
 def _train(cfg: TrainConfig, ranks: TrainerRanks, resume: bool, log: Callable[[str], None], progress: bool) -> dict:
     if cfg.engine == "server" and cfg.engine_urls is not None:
         check_reachable(cfg.server_urls())  # a wrong URL fails in seconds, before the model is loaded
-    run = RunFolder(cfg.output_dir, resume=resume)
+    run = RunFolder(cfg.output_dir, resume=resume, report_to=cfg.report_to)
     with _Interrupt() as interrupt:  # from here on a signal ends the run through the `finally`s below
         start = run.checkpoints()[-1] if resume else None
         problems = _problems(cfg, log)
@@ -146,6 +146,8 @@ def _train(cfg: TrainConfig, ranks: TrainerRanks, resume: bool, log: Callable[[s
                 wall = clock.elapsed()
                 producer.stop()
                 final_eval = producer.sync_and_evaluate() if not interrupted and problems.eval else None
+                if final_eval is not None:
+                    run.report(dict(zip(("eval_version", "eval_accuracy", "eval_reward"), final_eval)), state.step)
                 checkpoint()
             finally:
                 ranks.stop()

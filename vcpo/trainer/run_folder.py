@@ -14,6 +14,7 @@ import time
 from typing import Optional
 
 from .plot import plot_run
+from .report import Reporters, parse_report_to
 
 
 def _truncate_jsonl(path: str, max_step: int) -> None:
@@ -35,9 +36,9 @@ def _checkpoints(path: str) -> list[str]:
 
 
 class RunFolder:
-    def __init__(self, path: Optional[str], *, resume: bool) -> None:
+    def __init__(self, path: Optional[str], *, resume: bool, report_to: str = "none") -> None:
         """The folder of a new run (`path` absent or empty; default runs/vcpo-<date>-<time>) or, with resume, of
-        a run that has a checkpoint."""
+        a run that has a checkpoint. `report_to`: where else log_step sends the metrics (vcpo/trainer/report.py)."""
         self.path = path or os.path.join("runs", time.strftime("vcpo-%Y%m%d-%H%M%S"))
         if resume and not self.checkpoints():
             raise ValueError(f"resume: {self.path!r} has no checkpoint")
@@ -46,6 +47,7 @@ class RunFolder:
                              "another")
         os.makedirs(self.path, exist_ok=True)
         self._metrics = self._rollouts = None
+        self.report_to, self.first_step, self._reporters = parse_report_to(report_to), 1, None
 
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
@@ -60,6 +62,7 @@ class RunFolder:
 
     def rewind(self, step: int) -> None:
         """Resuming at `step`: the logged steps after it are forgotten."""
+        self.first_step = step + 1
         for name in ("metrics.jsonl", "rollouts.jsonl"):
             _truncate_jsonl(self.file(name), step)
 
@@ -71,6 +74,9 @@ class RunFolder:
     def __enter__(self) -> "RunFolder":
         self._metrics = open(self.file("metrics.jsonl"), "a")
         self._rollouts = open(self.file("rollouts.jsonl"), "a")
+        if self.report_to:
+            config = json.load(open(self.file("config.json"))) if os.path.isfile(self.file("config.json")) else {}
+            self._reporters = Reporters(self.path, self.report_to, config, self.first_step)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -78,10 +84,19 @@ class RunFolder:
             if f is not None:
                 f.close()
         self._metrics = self._rollouts = None
+        if self._reporters is not None:
+            self._reporters.close()
+            self._reporters = None
+
+    def report(self, row: dict, step: int) -> None:
+        """`row`'s numeric fields to the reporters (--report-to), at `step`."""
+        if self._reporters is not None:
+            self._reporters.log(row, step)
 
     def log_step(self, row: dict, rollouts: list) -> None:
         """metrics.jsonl gets `row`; rollouts.jsonl one line per consumed sample, tagged with the step."""
         self._metrics.write(json.dumps(row) + "\n")
+        self.report(row, row["step"])
         for r in rollouts:
             extra = {"last_version": r.last_version} if r.last_version is not None else {}
             if r.server is not None:
