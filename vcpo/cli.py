@@ -119,6 +119,7 @@ def _train(args: argparse.Namespace, argv: list) -> int:
         cfg = make_config(load_file(config_file) if config_file else None, **settings)
     from .trainer.pool import EngineUnavailable, WeightSyncError
     from .trainer.ranks import launch_ranks, launched_ranks
+    from .trainer.rewards import RewardError
     from .trainer.servers import ServerStartError
 
     if cfg.validate().trainer_ranks > 1 and launched_ranks() == 1:
@@ -126,7 +127,7 @@ def _train(args: argparse.Namespace, argv: list) -> int:
 
     try:
         summary = train(cfg, resume=resume is not None, progress=progress)
-    except (EngineUnavailable, WeightSyncError, ServerStartError) as e:
+    except (EngineUnavailable, WeightSyncError, ServerStartError, RewardError) as e:
         print(f"vcpo train: error: {e}", file=sys.stderr)
         return 1
     if summary is None:  # a trainer rank > 0: rank 0 reports the run

@@ -35,6 +35,8 @@ class Rollout:
     correct: bool = False  # exact match with the answer (the accuracy metric), whatever the reward function
     last_version: Optional[int] = None  # of its last token, when weights changed during its generation
     server: Optional[str] = None  # engine: server: the URL that generated it
+    reward_extras: dict = field(default_factory=dict)  # the extra fields of a dict-valued reward
+    reward_error: Optional[str] = None  # the failure of its reward call (reward_errors: zero scored it 0)
 
     @property
     def uid(self) -> tuple[int, int, int]:

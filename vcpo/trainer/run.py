@@ -31,14 +31,16 @@ from .pool import EngineUnavailable, ServerPool, WeightSyncError, check_reachabl
 from .ranks import TrainerRanks
 from .rollouts import GeneratedBatch, Rollout, RolloutProducer, pad_rollouts
 from .run_folder import RunFolder
-from .task import PromptStream, addition_problems, exact_match, load_problems, resolve_reward, split_problems
+from .rewards import RewardError, RewardJob, RewardPool, exact_match, resolve_reward, reward_metrics
+from .task import PromptFormat, PromptStream, addition_problems, load_problems, split_problems
 
 BUILTIN_DIGITS = 2  # the built-in task: a + b with a, b < 100
 BUILTIN_PROBLEMS = 10_000  # every such problem
 # settings a resumed run may change; the others define the run and must stay as they were
 RESUMABLE = {"steps", "output_dir", "checkpoint_every", "keep_checkpoints", "eval_every", "engine",
              "engine_cores", "trainer_cores", "kv_cache_gib", "gpu_memory_utilization", "engine_urls",
-             "engine_servers", "weights_dir", "weight_swap", "engine_timeout", "trainer_ranks", "report_to"}
+             "engine_servers", "weights_dir", "weight_swap", "engine_timeout", "trainer_ranks", "report_to",
+             "reward_workers", "reward_timeout", "reward_errors"}
 # the metrics of vcpo.step copied into each metrics.jsonl line
 STEP_METRICS = ("loss", "ess_ratio", "lr_scale", "is_clip_fraction", "mean_is_coef", "kl_k3", "ppo_clip_fraction",
                 "grad_norm", "grad_sq_norm_mean", "baseline_mean", "advantage_abs_mean")
@@ -102,9 +104,11 @@ def _train(cfg: TrainConfig, ranks: TrainerRanks, resume: bool, log: Callable[[s
             log(f"resuming {run.path} from step {state.step} ({len(state.pending)} generated batches pending)")
         else:
             run.write_json("config.json", _resolved_settings(cfg, problems, task))
+            with open(run.file("prompt_example.txt"), "w") as f:
+                f.write(task.train_texts[0])
         with run, _progress_bar(progress, cfg.steps, state.step) as bar, \
                 start_engine(cfg, model_dir=start or problems.model_dir, max_len=task.max_len, run_dir=run.path,
-                             probe=problems.train[0].prompt, probe_ids=task.probe_ids, weights=policy.weights,
+                             probe=task.train_texts[0], probe_ids=task.probe_ids, weights=policy.weights,
                              version=state.step, warm_up_prompt=task.train_prompts[0],
                              log=bar.write if bar else log) as (engine, engine_seconds):
             producer = RolloutProducer(
@@ -152,6 +156,7 @@ def _train(cfg: TrainConfig, ranks: TrainerRanks, resume: bool, log: Callable[[s
             finally:
                 ranks.stop()
                 producer.stop()
+                task.rewards.close()
     summary = _summary(run.path, state, interrupted, wall, engine_seconds, producer, engine, final_eval)
     run.write_json("summary.json", summary)
     if interrupted:
@@ -173,7 +178,8 @@ def _problems(cfg: TrainConfig, log) -> Problems:
         recipe = tiny.TinyRecipe(warm_start_steps=cfg.warm_start_steps)
         return Problems(train, held, tiny.tiny_model_dir(train, recipe, log=log))
     if cfg.data is None:
-        raise ValueError("model needs data: a .jsonl or .parquet file with prompt and answer fields")
+        raise ValueError("model needs data: a .jsonl or .parquet file or a `datasets` folder with prompt and answer "
+                         "fields")
     train, held = split_problems(load_problems(cfg.data, cfg.prompt_field, cfg.answer_field), cfg.eval_size,
                                  cfg.seed)
     return Problems(train, held, cfg.model)
@@ -236,23 +242,26 @@ class Task:
         self.seed, self.groups, self.group_size = cfg.seed, cfg.prompts_per_step, cfg.responses_per_prompt
         self.stop_ids = _stop_ids(tokenizer, model_dir)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.stop_ids or [0])[0]
-        self.train_prompts = [self._prompt_ids(p.prompt) for p in problems.train]
-        self.eval_prompts = [self._prompt_ids(p.prompt) for p in problems.eval]
-        self.probe_ids = tokenizer.encode(problems.train[0].prompt, add_special_tokens=False)
+        # the prompts rendered and tokenized once: the engine gets these ids, and the trainer trains on them
+        fmt = PromptFormat(tokenizer, cfg.chat_template, cfg.system_prompt, cfg.builtin)
+        self.train_texts = [fmt.text(p.prompt) for p in problems.train]
+        self.train_prompts = [fmt.ids(t) for t in self.train_texts]
+        self.eval_prompts = [fmt.ids(fmt.text(p.prompt)) for p in problems.eval]
+        self.probe_ids = tokenizer.encode(self.train_texts[0], add_special_tokens=False)
         self.max_new = cfg.resolved_max_new_tokens()
         longest = max(map(len, self.train_prompts + self.eval_prompts))
         self.max_len = cfg.max_model_len or min(getattr(model_config, "max_position_embeddings", 1 << 30),
                                                 longest + self.max_new)
         if longest >= self.max_len:
-            raise ValueError(f"max_model_len ({self.max_len}) leaves no room for new tokens after the longest "
-                             f"prompt ({longest} tokens); shorten the prompts or raise max_model_len")
+            ids, p = max(zip(self.train_prompts + self.eval_prompts, problems.train + problems.eval),
+                         key=lambda x: len(x[0]))
+            where = "the prompt" if p.index is None else f"the prompt of data row {p.index}"
+            raise ValueError(f"{where} has {len(ids)} tokens: the context (max_model_len {self.max_len}) leaves no "
+                             "room for new tokens after it; shorten the prompts or raise max_model_len")
         self.reward_fn = resolve_reward(cfg.reward)
+        self.rewards = RewardPool(self.reward_fn, workers=cfg.reward_workers, timeout=cfg.reward_timeout,
+                                  errors=cfg.reward_errors)
         self.stream = PromptStream(len(problems.train), cfg.seed)
-
-    def _prompt_ids(self, prompt: str) -> list[int]:
-        if self.builtin:
-            return [tiny.BOS] + self.tokenizer.encode(prompt)
-        return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
 
     def make_batch(self, engine, index: int, version: int) -> GeneratedBatch:
         """Rollout batch `index`: group_size responses to each of its prompts, scored, from an engine that holds
@@ -262,16 +271,17 @@ class Task:
         outs = engine.generate([self.train_prompts[i] for i in idx], n=self.group_size, max_tokens=self.max_new,
                                temperature=1.0, seeds=[_request_seed(self.seed, index, pos) for pos in range(len(idx))],
                                stop_token_ids=self.stop_ids)
+        samples = [(i, r, c, self.tokenizer.decode(c.token_ids, skip_special_tokens=True))
+                   for i, completions in zip(idx, outs) for r, c in enumerate(completions)]
+        scores = self.rewards.score([RewardJob((index, i, r), text, self.problems.train[i].answer,
+                                               self.problems.train[i].example) for i, r, _, text in samples])
         rollouts = []
-        for i, completions in zip(idx, outs):
-            for r, c in enumerate(completions):
-                text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
-                answer = self.problems.train[i].answer
-                # a server reports the version of every token; the other engines hold `version` throughout
-                first, last = (c.versions[0][0], c.versions[-1][0]) if c.versions else (version, None)
-                rollouts.append(Rollout(index, i, r, self.train_prompts[i], c.token_ids, c.logprobs,
-                                        c.finish_reason, float(self.reward_fn(text, answer)), first,
-                                        bool(exact_match(text, answer)), last if last != first else None, c.server))
+        for (i, r, c, text), score in zip(samples, scores):
+            # a server reports the version of every token; the other engines hold `version` throughout
+            first, last = (c.versions[0][0], c.versions[-1][0]) if c.versions else (version, None)
+            rollouts.append(Rollout(index, i, r, self.train_prompts[i], c.token_ids, c.logprobs, c.finish_reason,
+                                    score.reward, first, bool(exact_match(text, self.problems.train[i].answer)),
+                                    last if last != first else None, c.server, score.extras, score.error))
         return GeneratedBatch(index, min(r.version for r in rollouts), rollouts)
 
     def evaluate(self, engine) -> tuple[float, float]:
@@ -281,8 +291,9 @@ class Task:
                                stop_token_ids=self.stop_ids)
         texts = [self.tokenizer.decode(o[0].token_ids, skip_special_tokens=True) for o in outs]
         acc = sum(exact_match(t, p.answer) for t, p in zip(texts, held)) / len(texts)
-        rew = sum(float(self.reward_fn(t, p.answer)) for t, p in zip(texts, held)) / len(texts)
-        return acc, rew
+        scores = self.rewards.score([RewardJob(("eval", k), t, p.answer, p.example)
+                                     for k, (t, p) in enumerate(zip(texts, held))])
+        return acc, sum(s.reward for s in scores) / len(texts)
 
 
 @dataclass
@@ -345,9 +356,12 @@ def _take(producer: RolloutProducer, step: int, interrupt: "_Interrupt", checkpo
         return producer.take(step, should_stop=lambda: interrupt.requested)
     except RuntimeError as e:
         cause = e.__cause__
-        if not isinstance(cause, (EngineUnavailable, WeightSyncError)):
+        if not isinstance(cause, (EngineUnavailable, WeightSyncError, RewardError)):
             raise
         checkpoint()
+        if isinstance(cause, RewardError):
+            raise RewardError(f"{cause}\nCheckpoint written at step {step}: once the reward is fixed, continue "
+                              f"with `vcpo train --resume {run_dir}`") from None
         raise type(cause)(f"{cause}. Checkpoint written at step {step}: continue with `vcpo train --resume "
                           f"{run_dir}` and --engine-urls or --engine-servers") from None
 
@@ -371,7 +385,7 @@ def _train_step(policy: Policy, ranks: TrainerRanks, pad_id: int, producer: Roll
         "reward": float(rb.rewards.mean()),
         "accuracy": sum(r.correct for r in batch.rollouts) / len(batch.rollouts),
         "response_length": float(rb.loss_mask.sum(1).float().mean()),
-        **{k: m[k] for k in STEP_METRICS},
+        **{k: m[k] for k in STEP_METRICS}, **reward_metrics(batch.rollouts),
         "lr": cfg.resolved_lr() * m["lr_scale"],
         "wait_seconds": waited, "train_seconds": now - t_train,
         "generate_seconds_total": stats.generate_seconds, "sync_seconds_total": stats.sync_seconds,

@@ -101,6 +101,10 @@ class RunFolder:
             extra = {"last_version": r.last_version} if r.last_version is not None else {}
             if r.server is not None:
                 extra["server"] = r.server
+            if r.reward_extras:
+                extra["reward_extras"] = r.reward_extras
+            if r.reward_error is not None:
+                extra["reward_error"] = r.reward_error
             self._rollouts.write(json.dumps({"step": row["step"], "uid": list(r.uid), "version": r.version,
                                              "response_ids": r.response_ids, "reward": r.reward,
                                              "finish_reason": r.finish_reason, **extra}) + "\n")

@@ -1,25 +1,31 @@
-"""Prompts and rewards: the built-in addition task, a user's JSONL/Parquet dataset, and the reward function.
+"""Prompts: the built-in addition task, a user's data set (JSONL, Parquet, a `datasets` folder), and how a
+prompt becomes the text and the token ids the engine is given (a chat template or none). Rewards: rewards.py.
 
-A dataset is a list of (prompt, answer) strings. Batch j of a run takes the prompts at positions
-[j * P, (j + 1) * P) of an endless stream made of seeded permutations of the training split, one per epoch,
-so the prompts of every batch are a function of (seed, j) alone: a resumed run sees the same stream."""
+A dataset is a list of (prompt, answer) strings, each with its data row. Batch j of a run takes the prompts at
+positions [j * P, (j + 1) * P) of an endless stream made of seeded permutations of the training split, one per
+epoch, so the prompts of every batch are a function of (seed, j) alone: a resumed run sees the same stream."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import random
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
 
-RewardFn = Callable[[str, str], float]
+from .rewards import exact_match, resolve_reward  # noqa: F401  (their former home: imports from here still work)
 
 
 @dataclass(frozen=True)
 class Problem:
     prompt: str
     answer: str
+    row: Optional[dict] = field(default=None, compare=False)  # the whole data row (a reward's `example`)
+    index: Optional[int] = field(default=None, compare=False)  # its row number in the data
+
+    @property
+    def example(self) -> dict:
+        return self.row if self.row is not None else {"prompt": self.prompt, "answer": self.answer}
 
 
 def addition_problems(count: int, digits: int, seed: int) -> list[Problem]:
@@ -37,10 +43,23 @@ def addition_problems(count: int, digits: int, seed: int) -> list[Problem]:
     return out
 
 
-def load_problems(path: str, prompt_field: str, answer_field: str) -> list[Problem]:
-    """Rows of a .jsonl or .parquet file with a prompt and an answer field (answers are compared as text)."""
+def _read_rows(path: str) -> list[dict]:
+    """The rows of a .jsonl or .parquet file, or of a `datasets` folder saved with save_to_disk (a DatasetDict
+    folder: its train split, or its only one)."""
+    if os.path.isdir(path):
+        if not any(os.path.isfile(os.path.join(path, f)) for f in ("dataset_info.json", "dataset_dict.json")):
+            raise ValueError(f"data: {path!r} is a folder but not a `datasets` folder (save_to_disk)")
+        import datasets
+
+        ds = datasets.load_from_disk(path)
+        if isinstance(ds, datasets.DatasetDict):
+            if "train" not in ds and len(ds) != 1:
+                raise ValueError(f"data: the `datasets` folder {path} holds the splits {sorted(ds)}: none is "
+                                 "'train'; point data at the split's own folder")
+            ds = ds["train"] if "train" in ds else next(iter(ds.values()))
+        return ds.to_list()
     if not os.path.isfile(path):
-        raise ValueError(f"data: no such file {path!r}")
+        raise ValueError(f"data: no such file or folder {path!r}")
     if path.endswith(".jsonl"):
         rows = []
         with open(path) as f:
@@ -50,20 +69,26 @@ def load_problems(path: str, prompt_field: str, answer_field: str) -> list[Probl
                         rows.append(json.loads(line))
                     except json.JSONDecodeError as e:
                         raise ValueError(f"data: {path}:{line_no} is not valid JSON ({e})") from None
-    elif path.endswith(".parquet"):
+        return rows
+    if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
-        rows = pq.read_table(path).to_pylist()
-    else:
-        raise ValueError(f"data must be a .jsonl or .parquet file, got {path!r}")
+        return pq.read_table(path).to_pylist()
+    raise ValueError(f"data must be a .jsonl or .parquet file or a `datasets` folder, got {path!r}")
+
+
+def load_problems(path: str, prompt_field: str, answer_field: str) -> list[Problem]:
+    """The rows of `path` (_read_rows) with a prompt and an answer field; answers are compared as text."""
+    rows = _read_rows(path)
+    if not rows:
+        raise ValueError(f"data: {path} holds no rows")
     problems = []
     for i, row in enumerate(rows):
-        for field in (prompt_field, answer_field):
-            if not isinstance(row, dict) or field not in row:
-                raise ValueError(f"data: row {i} of {path} has no field {field!r} (set prompt_field/answer_field)")
-        problems.append(Problem(str(row[prompt_field]), str(row[answer_field])))
-    if not problems:
-        raise ValueError(f"data: {path} holds no rows")
+        for name, column in (("prompt_field", prompt_field), ("answer_field", answer_field)):
+            if not isinstance(row, dict) or column not in row:
+                raise ValueError(f"data: row {i} of {path} has no field {column!r} (set {name}; its fields: "
+                                 f"{sorted(row) if isinstance(row, dict) else type(row).__name__})")
+        problems.append(Problem(str(row[prompt_field]), str(row[answer_field]), row, i))
     return problems
 
 
@@ -96,27 +121,48 @@ class PromptStream:
         return [self._perm(k // self.n)[k % self.n] for k in range(index * size, (index + 1) * size)]
 
 
-def normalise_answer(text: str) -> str:
-    return " ".join(text.strip().split())
+class PromptFormat:
+    """A data prompt -> the text the model sees -> the token ids sent to the engine (and trained on).
 
+    chat_template "auto" is the tokenizer's own template when it has one, else none; "none" uses the prompt as
+    written; anything else is the path of a Jinja template file. A template renders [system, user] messages
+    (system only with system_prompt) with the generation prompt, and the rendered text is tokenized without
+    the tokenizer's special tokens: the template writes them (a BOS it writes is the only one). Without a
+    template the tokenizer adds its special tokens, except a BOS the prompt already starts with. The built-in
+    task's prompts get the BOS its model was warm-started with."""
 
-def exact_match(response: str, answer: str) -> float:
-    """1.0 when the response, stripped of surrounding and repeated whitespace, equals the answer, else 0.0."""
-    return float(normalise_answer(response) == normalise_answer(answer))
+    def __init__(self, tokenizer, chat_template: str = "auto", system_prompt: Optional[str] = None,
+                 builtin: bool = False) -> None:
+        self.tokenizer, self.builtin, self.system_prompt = tokenizer, builtin, system_prompt
+        if builtin and chat_template not in ("auto", "none"):
+            raise ValueError("chat_template: the built-in task's tokenizer has no chat template and its model was "
+                             "trained on bare prompts; a template file needs --model")
+        if chat_template == "auto":
+            self.template = None if builtin else getattr(tokenizer, "chat_template", None)
+        elif chat_template == "none":
+            self.template = None
+        elif os.path.isfile(chat_template):
+            with open(chat_template) as f:
+                self.template = f.read()
+        else:
+            raise ValueError(f"chat_template must be auto, none or a Jinja template file, got {chat_template!r} "
+                             "(no such file)")
+        if system_prompt is not None and self.template is None:
+            raise ValueError("system_prompt needs a chat template, and this run has none (chat_template "
+                             f"{chat_template!r}" + (", the tokenizer has no template)" if chat_template == "auto"
+                                                     else ")"))
 
+    def text(self, prompt: str) -> str:
+        if self.template is None:
+            return prompt
+        messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt is not None else []) \
+            + [{"role": "user", "content": prompt}]
+        return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False,
+                                                  add_generation_prompt=True)
 
-def resolve_reward(spec: str | None) -> RewardFn:
-    """`None` -> exact_match; "module:function" -> that function, called as fn(response, answer) -> float."""
-    if spec is None:
-        return exact_match
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"reward must be 'module:function', got {spec!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"reward: cannot import module {module_name!r} ({e})") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"reward: {module_name!r} has no function {attr!r}")
-    return fn
+    def ids(self, text: str) -> list[int]:
+        tok = self.tokenizer
+        if self.builtin:
+            return [tok.bos_token_id] + tok.encode(text, add_special_tokens=False)
+        own_bos = self.template is None and not (tok.bos_token and text.startswith(tok.bos_token))
+        return tok(text, add_special_tokens=own_bos)["input_ids"]
