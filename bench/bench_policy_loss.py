@@ -1,8 +1,17 @@
 """Forward+backward benchmark of vcpo_kernels.policy_loss on CPU: eager reference vs torch.compile vs the fused
 C++ op vs a plain copy of its inputs (the bandwidth floor). B = 512 x T = 2048 tokens, fp32, default options;
-and the same B with one token per sequence ("latency": the fixed cost of a call).
+and the same B with one token per sequence ("latency": the fixed cost of a call). Beside them, on the padded
+layout, what verl users run today where verl is installed (vcpo[verl]): "verl loss" is
+`compute_policy_loss_vanilla` (PPO clipping, seq-mean-token-mean) with sequence-level truncated rollout IS
+weights (C = 8) and GRPO advantages computed beforehand; "verl" also computes those weights
+(`compute_rollout_correction_weights`) and advantages (`compute_grpo_outcome_advantage`) in each call, as our
+fused op does its baseline. verl's is GRPO's group-mean advantage, not OPOB: a cost comparison, not the same
+update. TRL is absent: its loss is a method of GRPOTrainer that runs the model's forward itself, so there is
+no TRL loss to call on given log-prob tensors.
 
     python -m pytest bench/bench_policy_loss.py --benchmark-only
+    python -m pytest bench/bench_policy_loss.py --benchmark-only --benchmark-save=NAME   # keep this run
+    python -m pytest bench/bench_policy_loss.py --benchmark-only --benchmark-compare     # against the last kept
 
 bench/conftest.py prints the ratio table (speedups and targets) after pytest-benchmark's own tables.
 """
@@ -17,7 +26,9 @@ import vcpo_kernels
 torch.set_num_threads(2)
 B, T, GROUP = 512, 2048, 8
 # (warmup, timed) rounds per case: enough for a stable median, about a second or two each on 2 cores.
-ROUNDS = {"eager": (2, 30), "compile": (2, 40), "fused": (5, 200), "fused fwd": (5, 200), "copy floor": (5, 500)}
+ROUNDS = {"eager": (2, 30), "compile": (2, 40), "fused": (5, 200), "fused fwd": (5, 200), "copy floor": (5, 500),
+          "verl": (2, 30), "verl loss": (2, 30)}
+VERL_CASES = ("verl", "verl loss")
 
 
 @functools.cache
@@ -88,7 +99,47 @@ def make_case(case: str, inputs: dict):
             for dst, src in pairs:
                 dst.copy_(src)
         return step
+    if case in VERL_CASES:
+        return verl_step(inputs, with_weights_and_advantages=case == "verl")
     raise ValueError(case)
+
+
+class _VerlActorConfig(dict):
+    """The fields of verl's ActorConfig that compute_policy_loss_vanilla reads (its defaults; C for the IS)."""
+
+    def __init__(self):
+        super().__init__(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0,
+                         global_batch_info={})
+        self.__dict__ = self
+
+
+def verl_step(inputs: dict, with_weights_and_advantages: bool):
+    core = pytest.importorskip("verl.trainer.ppo.core_algos")
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
+
+    logp, behavior, mask = inputs["logp"], inputs["behavior_logp"], inputs["mask"].float()
+    index = inputs["group_index"].numpy()
+    rewards = torch.zeros(B, T)
+    rewards[:, -1] = inputs["rewards"]  # outcome rewards: verl sums each row
+    config = _VerlActorConfig()
+
+    def weights_and_advantages(current):
+        advantages, _ = core.compute_grpo_outcome_advantage(rewards, mask, index)
+        weights, _ = compute_rollout_correction_weights(current - behavior, mask, rollout_is="sequence",
+                                                        rollout_is_threshold=8.0)
+        return weights, advantages
+
+    fixed = weights_and_advantages(logp)
+
+    def step():
+        leaf = logp.detach().requires_grad_()
+        with torch.no_grad():
+            weights, advantages = weights_and_advantages(leaf) if with_weights_and_advantages else fixed
+        # bypass mode: the proximal policy is the behaviour policy
+        loss, _ = core.compute_policy_loss_vanilla(behavior, leaf, advantages, mask, "seq-mean-token-mean", config,
+                                                   weights)
+        loss.backward()
+    return step
 
 
 LAYOUTS = [pytest.param(lay, id=lay, marks=pytest.mark.benchmark(group=lay)) for lay in ("padded", "packed", "latency")]
@@ -97,6 +148,8 @@ LAYOUTS = [pytest.param(lay, id=lay, marks=pytest.mark.benchmark(group=lay)) for
 @pytest.mark.parametrize("case", list(ROUNDS))
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_policy_loss(benchmark, layout, case):
+    if case in VERL_CASES and layout != "padded":
+        pytest.skip("verl's losses take padded [B, T] tensors")
     step = make_case(case, make_inputs(layout))
     step()  # first call outside the timing (torch.compile compiles here, ~30 s once per layout)
     benchmark.extra_info.update(case=case, layout=layout)
