@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Partial
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
@@ -31,8 +32,13 @@ class UnsupportedModuleError(ValueError):
 
 
 def _accumulate(p: Tensor, update: Tensor) -> None:
-    """p.grad += update, as autograd accumulates."""
+    """p.grad += update, as autograd accumulates. A sharded (FSDP2, DTensor) parameter gets its shard of the
+    mean of the ranks' full updates (a reduce-scatter over its mesh), as FSDP2's own backward would give it."""
     update = update.to(p.dtype)
+    if isinstance(p, DTensor):
+        mesh = p.device_mesh
+        update = DTensor.from_local(update / mesh.size(), mesh, [Partial()] * mesh.ndim).redistribute(
+            mesh, p.placements)
     if p.grad is None:
         p.grad = update.clone()
     else:
@@ -186,6 +192,7 @@ class _Call:
     values: list  # their detached values (replayed modules: the replay is checked against them)
     grads: list  # their gradients, None until (unless) one arrives
     adopted: dict = field(default_factory=dict)  # relative name -> a descendant's parameter this call used itself
+    weights: dict = field(default_factory=dict)  # sharded model: name -> a copy of the unsharded value it used
     versions: list = field(default_factory=list)  # (tensor, version) of the kept inputs and outputs
     terms: Optional[list] = None  # experts: the per-expert terms, shared by the norms and the assembly
 
@@ -272,10 +279,15 @@ class PerSequenceGradients:
         self._outside: list = []  # (parameter, op): uses seen outside their modules' forward, not adopted
         self._stack: list = []  # the recorded modules whose forward is in progress, outermost first
         self._watch: Optional[_ParameterWatch] = None
+        # FSDP2: (id(module), name) -> the sharded parameter; id(unsharded parameter) -> the sharded one
+        self._sharded: dict = {}
+        self._sharded_of: dict = {}
 
     # -- recording ---------------------------------------------------------------------------------------
     def __enter__(self) -> "PerSequenceGradients":
         self._param_names = {id(p): n for n, p in self.model.named_parameters(remove_duplicate=False)}
+        self._sharded = {(id(m), n): p for m in self.model.modules() for n, p in m.named_parameters(recurse=False)
+                         if isinstance(p, DTensor)}
         owned = defaultdict(list)  # id(param) -> every module that has it as its own parameter
         for name, module in self.model.named_modules():
             params = [p for p in module.parameters(recurse=False) if p.requires_grad]
@@ -377,6 +389,13 @@ class PerSequenceGradients:
 
     def _enter_hook(self, module, args):
         self._active[id(module)] += 1
+        if self._sharded:  # FSDP2 swapped in the unsharded parameters (its hooks run first): they stand for the
+            for n, p in module.named_parameters(recurse=False):  # sharded ones
+                sharded = self._sharded.get((id(module), n))
+                if sharded is not None and id(p) not in self._sharded_of:
+                    self._sharded_of[id(p)] = sharded
+                    self._owners[id(p)] = self._owners.get(id(sharded), [])
+                    self._param_names[id(p)] = self._param_names[id(sharded)]
 
     def _exit_hook(self, module, args, output):
         self._active[id(module)] -= 1
@@ -424,6 +443,13 @@ class PerSequenceGradients:
             # what the module saw: checked before use (detached tensors share the version counter).
             call.versions = [(t, t._version) for t in tree_flatten((call.args, call.kwargs, call.values))[0]
                              if isinstance(t, Tensor)]
+            if self._sharded and kind in ("generic", "experts"):
+                if kind == "experts":
+                    raise UnsupportedModuleError(record.name, "experts weights sharded by FSDP2")
+                # FSDP2 frees the unsharded weights after the forward: the replays use copies (docs/grad_norms.md)
+                used = {**dict(module.named_parameters(recurse=False)), **adopted}
+                call.weights = {n: p.detach().clone() for n, p in used.items()}
+                call.adopted = {n: self._sharded_of.get(id(p), p) for n, p in adopted.items()}
             record.calls.append(call)
             for k, o in enumerate(outs):
                 if not o.requires_grad:
@@ -582,8 +608,9 @@ class PerSequenceGradients:
             if call.kind == "embedding":
                 g2 = g2 * _embedding_scale(m)
                 if m.weight.requires_grad:
-                    update = torch.zeros_like(m.weight).index_add_(0, x.reshape(-1),
-                                                                   (g2 * w[:, None]).to(m.weight.dtype))
+                    # the full weight's shape (a sharded one's too: _accumulate scatters it)
+                    update = torch.zeros(m.weight.shape, dtype=m.weight.dtype, device=g2.device).index_add_(
+                        0, x.reshape(-1), (g2 * w[:, None]).to(m.weight.dtype))
                     if m.padding_idx is not None:
                         update[m.padding_idx] = 0
                     _accumulate(m.weight, update)
@@ -754,7 +781,7 @@ class PerSequenceGradients:
         arguments, the tensors at positions `batched` of the flattened arguments replaced by `inputs`, and returns
         its floating-point outputs that received a gradient, those at positions `live` of call.values."""
         m = rec.module
-        params = {n: p.detach() for n, p in self._call_params(rec, call).items()}
+        params = {n: call.weights.get(n, p).detach() for n, p in self._call_params(rec, call).items()}
         leaves, spec = tree_flatten((call.args, call.kwargs))
         if self.cu_seqlens is None:
             batched = [j for j, t in enumerate(leaves) if isinstance(t, Tensor) and self._per_seq(t) is not None]

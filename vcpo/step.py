@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 import vcpo_kernels as vk
 
@@ -317,6 +318,7 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatc
     b, t = batch.input_ids.shape
     mask = batch.loss_mask[:, 1:] != 0
     params = [p for p in model.parameters() if p.requires_grad]
+    sharded = _check_sharded(params, config, process_group)
 
     optimizer.zero_grad(set_to_none=True)
     keep = len(plan.parts) == 1  # the one micro-batch's records or graph wait for the whole batch's loss
@@ -360,11 +362,15 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatc
                       bookkeeping=False).backward(dlogp[rows, :width - 1])
     world = dist.get_world_size(process_group) if process_group is not None else 1
     sums = _loss_sums(out, config, mask.any(1), grad_sq_norm, world)
-    if process_group is not None:
+    if sharded:  # FSDP2's reduce-scatter (or book-keeping's, vcpo/grad_norms.py) averaged the gradients
+        dist.all_reduce(sums, group=process_group)
+    elif process_group is not None:
         _average_gradients(params, process_group, sums)
 
     grad_norm = (torch.nn.utils.clip_grad_norm_(params, config.grad_clip) if config.grad_clip is not None
                  else torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
+    if isinstance(grad_norm, DTensor):  # the norm over every shard
+        grad_norm = grad_norm.full_tensor()
     extra = _whole_batch_statistics(out, sums)
     metrics = out.metrics(  # the one host sync of the step
         grad_norm=grad_norm, grad_sq_norm_mean=extra["grad_sq_norm_mean"], baseline_mean=out.baseline.mean(),
@@ -376,6 +382,26 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatc
     with scale_lr(optimizer, lr_scale):
         optimizer.step()
     return metrics
+
+
+def _check_sharded(params: list, config: VCPOConfig, process_group) -> bool:
+    """Whether the model is sharded by FSDP2 (DTensor parameters), after checking what the step needs then: the
+    data-parallel process_group that is the FSDP mesh (the shards' gradients are means over it)."""
+    meshes = {id(p.device_mesh): p.device_mesh for p in params if isinstance(p, DTensor)}
+    if not meshes:
+        return False
+    if len(meshes) > 1 or len(params) != sum(isinstance(p, DTensor) for p in params):
+        raise ValueError("a model sharded by FSDP2 must have every trainable parameter sharded over one device mesh")
+    (mesh,) = meshes.values()
+    if process_group is None or mesh.ndim != 1 or dist.get_world_size(process_group) != mesh.size():
+        raise ValueError("a model sharded by FSDP2 needs process_group = the data-parallel group of its 1-D device "
+                         "mesh (mesh.get_group()): the loss's ESS, baselines and counts cover the sequences of every "
+                         f"rank that shares the shards; got mesh {tuple(mesh.shape)} and process_group "
+                         f"{None if process_group is None else dist.get_world_size(process_group)} ranks")
+    if config.fused_lm_head:
+        raise ValueError("fused_lm_head=True calls the LM head's weight outside its module's forward, where FSDP2 "
+                         "has it sharded: use fused_lm_head=False with FSDP2")
+    return True
 
 
 def _loss_sums(out, config: VCPOConfig, valid: Tensor, grad_sq_norm: Optional[Tensor], world: int) -> Tensor:
