@@ -1,0 +1,151 @@
+"""VCPO in verl 0.9.1 (docs/integrations.md): the policy loss `vcpo` and the ESS-scaling optimizer `VCPOAdamW`.
+
+verl imports this module on `import verl` through the `verl.plugins` entry point of this package, so every Ray
+worker has the loss registered. verl calls the loss once per micro-batch, with the behaviour log-probs as
+`old_log_prob` in its bypass mode; each call adds its sequences' log importance weights to this process's sums
+(log space), and `VCPOAdamW.step` gathers the sums of every rank, forms the mini-batch's ESS ratio and lr scale and
+takes the AdamW step at the scaled lr. `zero_grad` (verl calls it before each mini-batch) starts new sums."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from verl.trainer.ppo.core_algos import register_policy_loss
+
+from ..config import VCPOConfig
+from ..distributed import global_share
+from ..loss import policy_loss
+from ..lr import ess_lr_scale, scale_lr
+
+__all__ = ["LOSS_MODE", "vcpo_policy_loss", "loss_options", "VCPOAdamW"]
+
+LOSS_MODE = "vcpo"  # actor.policy_loss.loss_mode
+
+# This process's log-space weight sums since the last zero_grad: one [5] float64 row per loss call (_log_sums).
+_SUMS: list[Tensor] = []
+
+
+def loss_options(config, loss_agg_mode: str) -> VCPOConfig:
+    """The VCPOConfig of verl's actor config: the IS level and threshold C from
+    `policy_loss.rollout_correction` (`rollout_is`, `rollout_is_threshold`), the aggregation from `loss_agg_mode`,
+    `norm_length` from `loss_scale_factor`. What VCPO cannot reproduce raises ValueError naming verl's option."""
+    rc = config.policy_loss.get("rollout_correction", None) if config is not None else None
+    if rc is None:
+        raise ValueError("loss_mode='vcpo' needs actor.policy_loss.rollout_correction (its rollout_is and "
+                         "rollout_is_threshold are VCPO's IS level and C)")
+    level, threshold = rc.get("rollout_is", None), rc.get("rollout_is_threshold", 2.0)
+    if rc.get("rollout_rs", None) is not None:
+        raise ValueError(f"loss_mode='vcpo' does not support rollout_correction.rollout_rs={rc.get('rollout_rs')!r}")
+    if rc.get("rollout_is_batch_normalize", False):
+        raise ValueError("loss_mode='vcpo' does not support rollout_correction.rollout_is_batch_normalize=True")
+    if level not in (None, "token", "sequence"):
+        raise ValueError(f"rollout_correction.rollout_is must be None, 'token' or 'sequence', got {level!r}")
+    try:
+        threshold = float(threshold)
+    except (TypeError, ValueError):
+        # verl's "lower_upper" (IcePop) keeps w inside the bounds; VCPO's mask gives those units coefficient 1.
+        raise ValueError(f"loss_mode='vcpo' needs a single rollout_correction.rollout_is_threshold (truncation at "
+                         f"C), got {threshold!r}") from None
+    factor = config.get("loss_scale_factor", None)
+    return VCPOConfig(is_level=level or "sequence", is_correction="truncate" if level else "none",
+                      is_threshold=threshold, loss_agg_mode=loss_agg_mode, norm_length=factor)
+
+
+def _log_sums(s: Tensor, valid: Tensor) -> Tensor:
+    """[m, sum exp(s - m), sum exp(2 (s - m)), n, 1] over the valid s (float64): the ESS's sums shifted by their
+    maximum m, the count, one loss call. No valid weight, or every weight 0 (m = -inf): sums 0."""
+    s = torch.where(valid, s.double(), -math.inf)
+    m = s.max() if s.numel() else s.new_tensor(-math.inf)
+    e = torch.exp(s - torch.where(torch.isneginf(m), 0.0, m))
+    return torch.stack([m, e.sum(), (e * e).sum(), valid.sum().double(), torch.ones_like(m)])
+
+
+def _merge(rows: Tensor) -> Tensor:
+    """One row of _log_sums from rows of them (micro-batches, ranks), in row order."""
+    m = rows[:, 0].max()
+    f = torch.where(torch.isneginf(rows[:, 0]), 0.0, torch.exp(rows[:, 0] - torch.where(torch.isneginf(m), 0.0, m)))
+    return torch.stack([m, (rows[:, 1] * f).sum(), (rows[:, 2] * f * f).sum(), rows[:, 3].sum(), rows[:, 4].sum()])
+
+
+def _sequence_advantages(advantages: Tensor, mask: Tensor) -> Tensor:
+    """Each sequence's advantage: its value at the first counted token (verl's outcome estimators write the same
+    value on every response token)."""
+    first = mask.to(torch.int8).argmax(1, keepdim=True)
+    return advantages.gather(1, first).squeeze(1)
+
+
+@register_policy_loss(LOSS_MODE)
+def vcpo_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+                     rollout_is_weights=None):
+    """verl's policy-loss signature. Bypass mode: `old_log_prob` is the behaviour policy's (verl's
+    `algorithm.rollout_correction.bypass_mode=True`), the proximal policy is `log_prob` detached. The loss is this
+    micro-batch's part of the mini-batch's: its count over verl's global counts (`global_batch_info`: tokens over
+    all data-parallel ranks, or the mini-batch's sequences) times the data-parallel size, as verl's own losses."""
+    if rollout_is_weights is not None:
+        raise ValueError("loss_mode='vcpo' got verl's rollout_is_weights (decoupled mode): set "
+                         "algorithm.rollout_correction.bypass_mode=True so that old_log_prob is the behaviour policy "
+                         "and VCPO forms the weights itself")
+    options = loss_options(config, loss_agg_mode)
+    mask = response_mask.bool()
+    out = policy_loss(log_prob, old_log_prob.to(log_prob.dtype), config=options, mask=mask,
+                      advantages=_sequence_advantages(advantages, mask).to(log_prob.dtype))
+    info = config.global_batch_info
+    dp = info.get("dp_size", None) or 1
+    whole = info.get("batch_num_tokens" if loss_agg_mode == "token-mean" else "global_batch_size", None)
+    loss = out.loss
+    if whole is not None:
+        loss = loss * (dp * global_share(mask.sum(1), whole, loss_agg_mode)).to(loss.dtype)
+    elif dp > 1:
+        raise ValueError(f"loss_mode='vcpo' with dp_size={dp} needs verl's global batch counts (global_batch_info)")
+    _SUMS.append(_log_sums(out.seq_log_weight.detach(), mask.any(1)))
+    stats = torch.stack([out.is_clip_fraction, out.mean_is_coef, out.kl_k3, out.ess_ratio]).double().tolist()
+    return loss, {f"actor/vcpo_{k}": v for k, v in zip(("is_clip_fraction", "mean_is_coef", "kl_k3",
+                                                         "micro_batch_ess_ratio"), stats)}
+
+
+class VCPOAdamW(torch.optim.AdamW):
+    """`torch.optim.AdamW` whose step runs at lr times the ESS lr scale of the sequences the `vcpo` loss saw since
+    the last `zero_grad`, over every rank of `process_group` (default: all ranks, when torch.distributed is
+    initialised): one all_gather of four numbers, so every rank takes the same scale. Ranks that hold the same
+    sequences (sequence or tensor parallel peers) add each sequence as often as every other rank's: the ratio, and
+    so the scale, is unchanged. In verl: `actor.optim.optimizer_impl=vcpo.integrations.verl`,
+    `optimizer=VCPOAdamW`, `lr_rule` and `ess_base_ratio` through `override_optimizer_config`. The last step's
+    `ess`, `ess_ratio`, `lr_scale` and `num_seqs` are in `.vcpo_stats` (floats)."""
+
+    def __init__(self, params, *, lr_rule="sqrt", ess_base_ratio=1.0, process_group=None, **adamw_kwargs):
+        VCPOConfig(lr_rule=lr_rule, ess_base_ratio=ess_base_ratio)  # ValueError naming a bad value
+        super().__init__(params, **adamw_kwargs)
+        self.lr_rule, self.ess_base_ratio, self.process_group = lr_rule, float(ess_base_ratio), process_group
+        self.vcpo_stats: dict[str, float] = {}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        _SUMS.clear()  # a new mini-batch
+        super().zero_grad(set_to_none)
+
+    def lr_scale(self) -> float:
+        """The ESS lr scale of the sums since the last zero_grad, over all ranks (collective: every rank calls it)."""
+        device = self.param_groups[0]["params"][0].device
+        empty = torch.tensor([-math.inf, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+        sums = (_merge(torch.stack(_SUMS)) if _SUMS else empty).to(device)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) > 1:
+            parts = [torch.empty_like(sums) for _ in range(dist.get_world_size(self.process_group))]
+            dist.all_gather(parts, sums, group=self.process_group)
+            sums = _merge(torch.stack(parts))  # in rank order: the same bits on every rank
+        _, s1, s2, n, calls = sums
+        ess = torch.where(n > 0, s1 * s1 / s2, 0.0)  # all weights 0: NaN, so the scale is 0 (docs/contract.md)
+        ratio = torch.where(n > 0, ess / n, 0.0)
+        scale = ess_lr_scale(ratio, self.lr_rule, self.ess_base_ratio)
+        ess, ratio, scale, n, calls = torch.stack([ess, ratio, scale, n, calls]).tolist()  # one host read
+        if calls == 0:
+            raise RuntimeError("VCPOAdamW stepped with no call of the 'vcpo' policy loss on any rank since zero_grad "
+                               "(set actor.policy_loss.loss_mode=vcpo)")
+        self.vcpo_stats = {"ess": ess, "ess_ratio": ratio, "lr_scale": scale, "num_seqs": n}
+        return scale
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        with scale_lr(self, self.lr_scale()):
+            return super().step(closure)
