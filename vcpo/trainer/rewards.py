@@ -122,8 +122,8 @@ class RewardError(RuntimeError):
 
 def _check_value(value) -> tuple[float, dict]:
     """A reward function's value as (reward, extras), or a TypeError/ValueError saying what is wrong with it."""
-    def number(name: str, v) -> float:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+    def number(name: str, v) -> float:  # a bool counts as 0 or 1
+        if not isinstance(v, (int, float)) or not math.isfinite(v):
             raise ValueError(f"reward function returned {name} = {v!r}: must be a finite number")
         return float(v)
 
@@ -131,8 +131,6 @@ def _check_value(value) -> tuple[float, dict]:
         if "reward" not in value:
             raise ValueError(f"reward function returned a dict without 'reward': {sorted(value)}")
         return number("reward", value["reward"]), {k: number(k, v) for k, v in value.items() if k != "reward"}
-    if isinstance(value, bool):
-        return float(value), {}
     return number("the reward", value), {}
 
 
