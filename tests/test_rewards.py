@@ -208,3 +208,23 @@ def test_reward_metrics_and_rollouts_keep_every_sample(tmp_path):
         assert r["reward"] == (0.0 if i == 4 else 1.0 if i % 3 else 0.5)
         assert r.get("reward_extras") == ({"format": float(i % 2)} if i in with_format else None)
         assert ("bad row" in r["reward_error"]) if i == 4 else "reward_error" not in r
+
+
+def test_a_failed_reward_in_the_loop_checkpoints_then_stops_the_run():
+    """reward_errors raise in the rollout thread: the trainer's loop writes a checkpoint, then stops with the
+    traceback and how to continue."""
+    import types
+
+    from vcpo.trainer.rollouts import RolloutProducer
+    from vcpo.trainer.run import _take
+
+    pool = RewardPool(flaky)
+    producer = RolloutProducer(make_batch=lambda index, version: pool.score(_jobs(3)),
+                               load_weights=lambda weights, version: None, max_staleness=0, version=0, next_batch=0,
+                               end_batch=1).start()
+    saved = []
+    with pytest.raises(RewardError, match=r"(?s)sample \(0, 1, 0\) failed.*KeyError.*Checkpoint written at step 0.*"
+                                          r"--resume runs/x"):
+        _take(producer, 0, types.SimpleNamespace(requested=False), lambda: saved.append("checkpoint"), "runs/x")
+    producer.stop()
+    assert saved == ["checkpoint"]
