@@ -1,5 +1,5 @@
-"""The `vcpo` command: `vcpo train` (docs/trainer.md), `vcpo serve` (a vLLM server, docs/scale.md) and
-`vcpo plot`."""
+"""The `vcpo` command: `vcpo train` and `vcpo eval` (docs/trainer.md), `vcpo serve` (a vLLM server, docs/scale.md)
+and `vcpo plot`."""
 
 from __future__ import annotations
 
@@ -138,6 +138,41 @@ def _train(args: argparse.Namespace, argv: list) -> int:
     return 0
 
 
+def _eval_parser(sub) -> None:
+    p = sub.add_parser("eval", help="greedy accuracy, pass@k and mean@n of a checkpoint on held-out prompts",
+                       description="Evaluate a checkpoint with vLLM; the result is written as JSON beside it "
+                                   "(docs/trainer.md, Evaluation).")
+    p.add_argument("--model", required=True, metavar="RUN_OR_FOLDER",
+                   help="a run folder (its latest checkpoint), one of its checkpoints, or a model folder")
+    p.add_argument("--data", help="a .jsonl/.parquet file or datasets folder, every row evaluated (default: the "
+                                  "run's held-out split)")
+    p.add_argument("--reward", help="exact, math or module:function (default: the run's, else exact)")
+    p.add_argument("--n", type=int, default=8, help="samples per prompt at temperature 1 for pass@k (0: greedy "
+                                                    "only) [8]")
+    p.add_argument("--seed", type=int, default=0, help="the samples' seed [0]")
+    p.add_argument("--max-new-tokens", type=int, help="default: the run's, else 512")
+    p.add_argument("--prompt-field", help="the data's prompt column (default: the run's, else prompt)")
+    p.add_argument("--answer-field", help="the data's answer column (default: the run's, else answer)")
+    p.add_argument("--engine", default="inprocess", choices=["inprocess", "process"],
+                   help="vLLM in this process or in its own [inprocess]")
+    p.add_argument("-o", "--output", help="the JSON file (default: eval-<data stem>.json, eval-heldout.json "
+                                          "without --data, in the model folder)")
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from .trainer.evaluate import run_eval
+    from .trainer.rewards import RewardError
+
+    try:
+        run_eval(args.model, data=args.data, reward=args.reward, n=args.n, engine=args.engine, output=args.output,
+                 seed=args.seed, max_new_tokens=args.max_new_tokens, prompt_field=args.prompt_field,
+                 answer_field=args.answer_field)
+    except RewardError as e:
+        print(f"vcpo eval: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _plot(args: argparse.Namespace) -> int:
     import os
 
@@ -164,6 +199,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="vcpo", description="Variance-controlled off-policy RL for LLMs")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
+    _eval_parser(sub)
     sub.add_parser("serve", help="a vLLM server for `vcpo train --engine server`: the arguments of `vllm serve`",
                    add_help=False)
     plot = sub.add_parser("plot", help="one figure comparing the curves of several runs")
@@ -171,7 +207,8 @@ def main(argv=None) -> int:
     plot.add_argument("-o", "--output", default="compare.png")
     args = parser.parse_args(argv)
     try:
-        return _train(args, argv[1:]) if args.command == "train" else _plot(args)
+        return {"train": lambda: _train(args, argv[1:]), "eval": lambda: _eval(args),
+                "plot": lambda: _plot(args)}[args.command]()
     except ValueError as e:
         print(f"vcpo {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -26,6 +26,7 @@ from vcpo.step import RolloutBatch
 
 from . import tiny
 from .config import TrainConfig, make_config
+from .evaluate import held_out
 from .launch import start_engine
 from .pool import EngineUnavailable, ServerPool, WeightSyncError, check_reachable
 from .ranks import TrainerRanks
@@ -115,7 +116,7 @@ def _train(cfg: TrainConfig, ranks: TrainerRanks, resume: bool, log: Callable[[s
                 make_batch=lambda index, version: task.make_batch(engine, index, version),
                 load_weights=engine.load_weights, max_staleness=cfg.max_staleness, version=state.step,
                 next_batch=state.next_batch, end_batch=cfg.steps, pending=state.pending,
-                evaluate=(lambda version: task.evaluate(engine)) if problems.eval else None,
+                evaluate=(lambda version: held_out(engine, task)) if problems.eval else None,
                 eval_every=cfg.eval_every, concurrent_sync=cfg.engine == "server")
             clock = _Clock(elapsed=state.elapsed)
             interrupt.during_steps = True  # a first signal now lets the step finish, then checkpoints
@@ -172,11 +173,13 @@ class Problems:
     model_dir: str
 
 
-def _problems(cfg: TrainConfig, log) -> Problems:
+def _problems(cfg: TrainConfig, log, make_model: bool = True) -> Problems:
+    """The run's (train, held-out) problems and the model folder it starts from (the built-in one is made, or
+    taken from the cache, unless make_model is False: then model_dir is None)."""
     if cfg.builtin:
         train, held = split_problems(addition_problems(BUILTIN_PROBLEMS, BUILTIN_DIGITS, seed=0), cfg.eval_size, 0)
         recipe = tiny.TinyRecipe(warm_start_steps=cfg.warm_start_steps)
-        return Problems(train, held, tiny.tiny_model_dir(train, recipe, log=log))
+        return Problems(train, held, tiny.tiny_model_dir(train, recipe, log=log) if make_model else None)
     if cfg.data is None:
         raise ValueError("model needs data: a .jsonl or .parquet file or a `datasets` folder with prompt and answer "
                          "fields")
@@ -283,17 +286,6 @@ class Task:
                                     score.reward, first, bool(exact_match(text, self.problems.train[i].answer)),
                                     last if last != first else None, c.server, score.extras, score.error))
         return GeneratedBatch(index, min(r.version for r in rollouts), rollouts)
-
-    def evaluate(self, engine) -> tuple[float, float]:
-        """Greedy accuracy (exact match with the answer) and mean reward on the held-out prompts."""
-        held = self.problems.eval
-        outs = engine.generate(self.eval_prompts, n=1, max_tokens=self.max_new, temperature=0.0,
-                               stop_token_ids=self.stop_ids)
-        texts = [self.tokenizer.decode(o[0].token_ids, skip_special_tokens=True) for o in outs]
-        acc = sum(exact_match(t, p.answer) for t, p in zip(texts, held)) / len(texts)
-        scores = self.rewards.score([RewardJob(("eval", k), t, p.answer, p.example)
-                                     for k, (t, p) in enumerate(zip(texts, held))])
-        return acc, sum(s.reward for s in scores) / len(texts)
 
 
 @dataclass
