@@ -84,6 +84,11 @@ def test_three_argument_dict_and_async_functions():
         await asyncio.sleep(0.01)
         return float(response == f"r{answer}")
 
+    class Judge:  # an object whose __call__ is async
+        async def __call__(self, response, answer):
+            return 0.25
+
+    assert [r.reward for r in RewardPool(Judge()).score(_jobs(2))] == [0.25, 0.25]
     results = RewardPool(graded).score(_jobs(6))
     assert [r.reward for r in results] == [i / 10 for i in range(6)]
     assert [r.extras for r in results] == [{"level": float(i % 3), "short": 1.0} for i in range(6)]

@@ -137,6 +137,22 @@ def test_data_errors_name_the_problem(tmp_path):
         load_problems(str(tmp_path / "missing.jsonl"), "q", "a")
 
 
+def test_a_conversation_prompt_is_rendered_as_its_messages(tmp_path):
+    chat = [{"role": "user", "content": "what is 1+2?"}, {"role": "assistant", "content": "3"},
+            {"role": "user", "content": "and 2+2?"}]
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"prompt": chat, "answer": "4"}) + "\n")
+    (p,) = load_problems(str(path), "prompt", "answer")
+    fmt = PromptFormat(instruct_tokenizer(), "auto", "be brief.")
+    assert fmt.text(p.prompt) == ("<s><|system|>be brief.<|end|><|user|>what is 1+2?<|end|><|assistant|>3<|end|>"
+                                  "<|user|>and 2+2?<|end|><|assistant|>")
+    with pytest.raises(ValueError, match="chat messages needs a chat template"):
+        PromptFormat(instruct_tokenizer(), "none").text(p.prompt)
+    path.write_text(json.dumps({"prompt": [{"role": "user"}], "answer": "4"}) + "\n")
+    with pytest.raises(ValueError, match="row 0 .* a list prompt must be chat messages"):
+        load_problems(str(path), "prompt", "answer")
+
+
 def _model_dir(tmp_path, tok):
     """A tiny random Llama over `tok`'s vocabulary, with it, in a model folder."""
     from vcpo.trainer import tiny

@@ -196,8 +196,7 @@ class RewardPool:
         args = (job.response, job.answer, job.example) if self.with_example else (job.response, job.answer)
         async with self._slots:
             try:
-                value = await asyncio.wait_for(self.fn(*args) if self.is_async else self._in_thread(args),
-                                               self.timeout)
+                value = await asyncio.wait_for(self._call(args), self.timeout)
                 reward, extras = _check_value(value)
                 return RewardResult(reward, extras)
             except asyncio.TimeoutError:
@@ -205,6 +204,10 @@ class RewardPool:
                                                "(reward_timeout)")
             except Exception:
                 return RewardResult(0.0, error=traceback.format_exc())
+
+    async def _call(self, args: tuple):
+        value = await (self.fn(*args) if self.is_async else self._in_thread(args))
+        return await value if inspect.isawaitable(value) else value  # an object whose __call__ is async
 
     def _in_thread(self, args: tuple) -> asyncio.Future:
         loop = asyncio.get_running_loop()

@@ -18,7 +18,7 @@ from .rewards import exact_match, resolve_reward  # noqa: F401  (their former ho
 
 @dataclass(frozen=True)
 class Problem:
-    prompt: str
+    prompt: "str | tuple"  # the text, or a conversation: ({"role": ..., "content": ...}, ...)
     answer: str
     row: Optional[dict] = field(default=None, compare=False)  # the whole data row (a reward's `example`)
     index: Optional[int] = field(default=None, compare=False)  # its row number in the data
@@ -88,7 +88,16 @@ def load_problems(path: str, prompt_field: str, answer_field: str) -> list[Probl
             if not isinstance(row, dict) or column not in row:
                 raise ValueError(f"data: row {i} of {path} has no field {column!r} (set {name}; its fields: "
                                  f"{sorted(row) if isinstance(row, dict) else type(row).__name__})")
-        problems.append(Problem(str(row[prompt_field]), str(row[answer_field]), row, i))
+        prompt = row[prompt_field]
+        if isinstance(prompt, list):
+            if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                       for m in prompt) or not prompt:
+                raise ValueError(f"data: row {i} of {path}: a list prompt must be chat messages, dicts with a role "
+                                 "and a content string")
+            prompt = tuple({"role": m["role"], "content": m["content"]} for m in prompt)
+        else:
+            prompt = str(prompt)
+        problems.append(Problem(prompt, str(row[answer_field]), row, i))
     return problems
 
 
@@ -126,7 +135,8 @@ class PromptFormat:
 
     chat_template "auto" is the tokenizer's own template when it has one, else none; "none" uses the prompt as
     written; anything else is the path of a Jinja template file. A template renders [system, user] messages
-    (system only with system_prompt) with the generation prompt, and the rendered text is tokenized without
+    (system only with system_prompt; a conversation prompt is its own messages, after the system one) with the
+    generation prompt, and the rendered text is tokenized without
     the tokenizer's special tokens: the template writes them (a BOS it writes is the only one). Without a
     template the tokenizer adds its special tokens, except a BOS the prompt already starts with. The built-in
     task's prompts get the BOS its model was warm-started with."""
@@ -152,11 +162,13 @@ class PromptFormat:
                              f"{chat_template!r}" + (", the tokenizer has no template)" if chat_template == "auto"
                                                      else ")"))
 
-    def text(self, prompt: str) -> str:
+    def text(self, prompt: "str | tuple") -> str:
         if self.template is None:
+            if not isinstance(prompt, str):
+                raise ValueError("a prompt made of chat messages needs a chat template, and this run has none")
             return prompt
         messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt is not None else []) \
-            + [{"role": "user", "content": prompt}]
+            + (list(prompt) if isinstance(prompt, tuple) else [{"role": "user", "content": prompt}])
         return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False,
                                                   add_generation_prompt=True)
 
