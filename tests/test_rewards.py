@@ -233,3 +233,12 @@ def test_a_failed_reward_in_the_loop_checkpoints_then_stops_the_run():
         _take(producer, 0, types.SimpleNamespace(requested=False), lambda: saved.append("checkpoint"), "runs/x")
     producer.stop()
     assert saved == ["checkpoint"]
+
+
+@pytest.mark.parametrize("setting, value", [("reward_workers", 0), ("reward_workers", 1.5), ("reward_timeout", 0),
+                                            ("reward_timeout", float("inf")), ("reward_errors", "skip")])
+def test_bad_reward_settings_name_the_setting(setting, value):
+    from vcpo.trainer import make_config
+
+    with pytest.raises(ValueError, match=setting):
+        make_config(**{setting: value})
