@@ -24,6 +24,7 @@ from verl.trainer.ppo import core_algos  # noqa: E402
 from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.config import FSDPActorConfig, PolicyLossConfig  # noqa: E402
+from verl.workers.config.optimizer import FSDPOptimizerConfig, build_optimizer  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
 import vcpo_kernels  # noqa: E402
@@ -165,6 +166,46 @@ def test_equals_verls_is_weighted_losses(level, threshold):
         mu, z, a, m, "token-mean", actor_config("bypass_mode", rollout_is=level, threshold=threshold,
                                                  loss_type="reinforce"))
     torch.testing.assert_close(grad, torch.autograd.grad(reinforce, z)[0], rtol=1e-6, atol=1e-7)
+
+
+def switch_overrides():
+    """The command-line overrides docs/integrations.md gives as verl's switch (its verl section's bash block)."""
+    text = (ROOT / "docs" / "integrations.md").read_text().split("\n## verl", 1)[1]
+    block = text.split("```bash\n", 1)[1].split("```", 1)[0]
+    words = block.replace("\\\n", " ").split()
+    return [w for w in words if w.lstrip("+").startswith(("algorithm.", "actor_rollout_ref."))]
+
+
+def test_the_documented_switch_composes_in_verls_own_config():
+    """verl's ppo_trainer.yaml composed by Hydra with the documented overrides (plus the batch sizes any run sets):
+    the actor config verl builds from it runs the vcpo loss with C and the aggregation given there, and its optim
+    config builds VCPOAdamW through verl's build_optimizer."""
+    from hydra import compose, initialize_config_dir
+    from verl.utils.config import omega_conf_to_dataclass
+
+    overrides = switch_overrides()
+    assert any("loss_mode=vcpo" in o for o in overrides) and any("optimizer=VCPOAdamW" in o for o in overrides)
+    with initialize_config_dir(config_dir=str(Path(verl.__file__).parent / "trainer" / "config"), version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=overrides + [
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.rollout.n=4"])
+    assert cfg.algorithm.rollout_correction.bypass_mode and cfg.actor_rollout_ref.rollout.calculate_log_probs
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    options = vv.loss_options(actor, actor.loss_agg_mode)
+    assert (options.is_level, options.is_correction, options.is_threshold, options.loss_agg_mode) == (
+        "sequence", "truncate", 8.0, "seq-mean-token-mean")
+    optim = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor.optim)
+    opt = build_optimizer([torch.nn.Parameter(torch.zeros(2))], optim)
+    assert type(opt) is vv.VCPOAdamW and opt.lr_rule == "sqrt" and opt.ess_base_ratio == 1.0
+
+
+def test_verl_builds_the_optimizer_from_its_config():
+    """actor.optim as a user writes it, through verl's own build_optimizer (the FSDP engines' path)."""
+    config = FSDPOptimizerConfig(optimizer="VCPOAdamW", optimizer_impl="vcpo.integrations.verl", lr=0.1,
+                                 weight_decay=0.01, override_optimizer_config={"lr_rule": "linear",
+                                                                              "ess_base_ratio": 0.5})
+    opt = build_optimizer([torch.nn.Parameter(torch.zeros(2))], config)
+    assert type(opt) is vv.VCPOAdamW and (opt.lr_rule, opt.ess_base_ratio) == ("linear", 0.5)
+    assert opt.defaults["lr"] == 0.1 and opt.defaults["weight_decay"] == 0.01 and opt.defaults["betas"] == (0.9, 0.999)
 
 
 def test_optimizer_step_runs_at_the_scaled_lr_and_restores_it():
