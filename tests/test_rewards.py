@@ -89,6 +89,9 @@ def test_three_argument_dict_and_async_functions():
             return 0.25
 
     assert [r.reward for r in RewardPool(Judge()).score(_jobs(2))] == [0.25, 0.25]
+    import numpy as np
+
+    assert RewardPool(lambda r, a: {"reward": np.float32(0.5), "n": np.int64(3)}).score(_jobs(1))[0].extras == {"n": 3}
     results = RewardPool(graded).score(_jobs(6))
     assert [r.reward for r in results] == [i / 10 for i in range(6)]
     assert [r.extras for r in results] == [{"level": float(i % 3), "short": 1.0} for i in range(6)]

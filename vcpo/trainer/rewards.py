@@ -12,6 +12,7 @@ import importlib.util
 import inspect
 import logging
 import math
+import numbers
 import threading
 import traceback
 from dataclasses import dataclass, field
@@ -122,8 +123,8 @@ class RewardError(RuntimeError):
 
 def _check_value(value) -> tuple[float, dict]:
     """A reward function's value as (reward, extras), or a TypeError/ValueError saying what is wrong with it."""
-    def number(name: str, v) -> float:  # a bool counts as 0 or 1
-        if not isinstance(v, (int, float)) or not math.isfinite(v):
+    def number(name: str, v) -> float:  # any real number (numpy's too); a bool counts as 0 or 1
+        if not isinstance(v, numbers.Real) or not math.isfinite(v):
             raise ValueError(f"reward function returned {name} = {v!r}: must be a finite number")
         return float(v)
 
