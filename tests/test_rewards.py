@@ -24,6 +24,9 @@ MATH_CASES = [
     ("\\boxed{0.5}", "\\frac12", True),
     ("I think 7", "7", True),
     ("First 5, then 6, so \\boxed{6}", "6", True),  # the boxed answer, not the first number
+    ("\\boxed{5} and later 6", "5", True),  # the boxed answer first, wherever it is
+    ("first 5, then 6", "6", True),  # no box: the last expression
+    ("first 5, then 6", "5", False),
     ("answer: 6", "\\boxed{6}", True),
     ("\\boxed{x^2+2x+1}", "(x+1)^2", True),
     ("\\boxed{2\\sqrt{2}}", "\\sqrt{8}", True),
