@@ -26,13 +26,13 @@ from vcpo.step import RolloutBatch
 
 from . import tiny
 from .config import TrainConfig, make_config
-from .evaluate import held_out
+from .evaluate import CORRECT_REWARD, held_out
 from .launch import start_engine
 from .pool import EngineUnavailable, ServerPool, WeightSyncError, check_reachable
 from .ranks import TrainerRanks
 from .rollouts import GeneratedBatch, Rollout, RolloutProducer, pad_rollouts
 from .run_folder import RunFolder
-from .rewards import RewardError, RewardJob, RewardPool, exact_match, resolve_reward, reward_metrics
+from .rewards import RewardError, RewardJob, RewardPool, resolve_reward, reward_metrics
 from .task import PromptFormat, PromptStream, addition_problems, load_problems, split_problems
 
 BUILTIN_DIGITS = 2  # the built-in task: a + b with a, b < 100
@@ -283,7 +283,7 @@ class Task:
             # a server reports the version of every token; the other engines hold `version` throughout
             first, last = (c.versions[0][0], c.versions[-1][0]) if c.versions else (version, None)
             rollouts.append(Rollout(index, i, r, self.train_prompts[i], c.token_ids, c.logprobs, c.finish_reason,
-                                    score.reward, first, bool(exact_match(text, self.problems.train[i].answer)),
+                                    score.reward, first, score.reward >= CORRECT_REWARD,
                                     last if last != first else None, c.server, score.extras, score.error))
         return GeneratedBatch(index, min(r.version for r in rollouts), rollouts)
 
