@@ -248,11 +248,14 @@ def test_ess_sums_in_log_space_and_degenerate_weights():
     vv._SUMS.clear()
 
 
-def _rank_worker(rank, init_file, out_dir):
+def _rank_worker(rank, init_file, out_dir, same):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         mask, mu, lp, adv = batch(5, b=7, spread=0.6)
-        micro = [[0, 1, 2], [3]] if rank == 0 else [[4, 5, 6]]  # different micro-batch counts and sizes
+        if same:  # peers holding the same sequences (tensor or sequence parallel), cut into other micro-batches
+            micro = [[0, 1, 2, 3], [4, 5, 6]] if rank == 0 else [[0], [1, 2], [3, 4, 5, 6]]
+        else:  # data parallel: different sequences, micro-batch counts and sizes
+            micro = [[0, 1, 2], [3]] if rank == 0 else [[4, 5, 6]]
         config = actor_config(threshold=4.0)
         info = dict(dp_size=2, batch_num_tokens=int(mask.sum()), global_batch_size=7)
         config.global_batch_info.update(info)
@@ -268,13 +271,16 @@ def _rank_worker(rank, init_file, out_dir):
         dist.destroy_process_group()
 
 
-def test_two_gloo_ranks_take_the_same_lr_scale(tmp_path):
-    mp.spawn(_rank_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+@pytest.mark.parametrize("same", [False, True], ids=["data-parallel", "same-sequences"])
+def test_two_gloo_ranks_take_the_same_lr_scale(tmp_path, same):
+    """Both ranks get the same bits, the float64 lr scale of the 6 valid sequences; ranks that hold the same
+    sequences count each twice, which leaves the ratio (and the scale) that of the sequences once."""
+    mp.spawn(_rank_worker, args=(str(tmp_path / "init"), str(tmp_path), same), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
-    assert r0 == r1  # the same bits on both ranks
+    assert r0 == r1
     mask, mu, lp, adv = batch(5, b=7, spread=0.6)
     want = oracle_of(mask, mu, lp, adv, is_threshold=4.0, lr_rule="linear", ess_base_ratio=0.9)
-    assert 0 < want["lr_scale"] < 1 and r0["num_seqs"] == 6
+    assert 0 < want["lr_scale"] < 1 and r0["num_seqs"] == 6 * (2 if same else 1)
     assert math.isclose(r0["lr_scale"], want["lr_scale"], rel_tol=1e-12)
 
 
