@@ -146,13 +146,15 @@ def run_eval(model: str, *, data: Optional[str] = None, reward: Optional[str] = 
     task = Task(cfg, Problems(rows, rows, model_dir), tokenizer, model_dir, AutoConfig.from_pretrained(model_dir))
     path = output or default_output(model_dir, data)
     started = time.perf_counter()
-    vllm = RolloutEngine(model_dir, mode=engine, dtype=cfg.dtype, max_model_len=task.max_len,
-                         kv_cache_gib=cfg.kv_cache_gib, seed=cfg.seed, sync_dir=model_dir,
-                         gpu_memory_utilization=cfg.gpu_memory_utilization)
+    vllm = None
     try:
+        vllm = RolloutEngine(model_dir, mode=engine, dtype=cfg.dtype, max_model_len=task.max_len,
+                             kv_cache_gib=cfg.kv_cache_gib, seed=cfg.seed, sync_dir=model_dir,
+                             gpu_memory_utilization=cfg.gpu_memory_utilization)
         result = evaluate(vllm, task, task.eval_prompts, rows, n=n, seed=seed)
     finally:
-        vllm.close()
+        if vllm is not None:
+            vllm.close()
         task.rewards.close()
     step = re.fullmatch(r"step-(\d+)", os.path.basename(os.path.normpath(model_dir)))
     result = {"model": model_dir, "step": int(step.group(1)) if step else None,

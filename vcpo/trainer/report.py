@@ -64,7 +64,8 @@ class _WandB:
         os.makedirs(folder, exist_ok=True)
         id_file = os.path.join(folder, "vcpo-run-id")
         if os.path.isfile(id_file):
-            run_id = open(id_file).read().strip()
+            with open(id_file) as f:
+                run_id = f.read().strip()
         else:
             run_id = uuid.uuid4().hex[:12]
             with open(id_file, "w") as f:
