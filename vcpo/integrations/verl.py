@@ -109,11 +109,10 @@ def vcpo_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg
 class VCPOAdamW(torch.optim.AdamW):
     """`torch.optim.AdamW` whose step runs at lr times the ESS lr scale of the sequences the `vcpo` loss saw since
     the last `zero_grad`, over every rank of `process_group` (default: all ranks, when torch.distributed is
-    initialised): one all_gather of four numbers, so every rank takes the same scale. Ranks that hold the same
-    sequences (sequence or tensor parallel peers) add each sequence as often as every other rank's: the ratio, and
-    so the scale, is unchanged. In verl: `actor.optim.optimizer_impl=vcpo.integrations.verl`,
-    `optimizer=VCPOAdamW`, `lr_rule` and `ess_base_ratio` through `override_optimizer_config`. The last step's
-    `ess`, `ess_ratio`, `lr_scale` and `num_seqs` are in `.vcpo_stats` (floats)."""
+    initialised; one all_gather of five numbers, so every rank takes the same scale). Ranks that hold the same
+    sequences add each equally often, which leaves the ratio unchanged. In verl: `actor.optim.optimizer_impl=
+    vcpo.integrations.verl`, `optimizer=VCPOAdamW`, `lr_rule` and `ess_base_ratio` in `override_optimizer_config`.
+    The last step's `ess`, `ess_ratio`, `lr_scale` and `num_seqs` are in `.vcpo_stats` (floats)."""
 
     def __init__(self, params, *, lr_rule="sqrt", ess_base_ratio=1.0, process_group=None, **adamw_kwargs):
         VCPOConfig(lr_rule=lr_rule, ess_base_ratio=ess_base_ratio)  # ValueError naming a bad value
