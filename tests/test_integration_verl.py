@@ -6,6 +6,7 @@ process; VCPOAdamW's lr scale over micro-batches and over two gloo ranks against
 
 import math
 import os
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -169,10 +170,10 @@ def test_equals_verls_is_weighted_losses(level, threshold):
 
 
 def switch_overrides():
-    """The command-line overrides docs/integrations.md gives as verl's switch (its verl section's bash block)."""
+    """The command-line overrides docs/integrations.md gives as verl's switch (its verl section's bash block), as
+    the shell splits them."""
     text = (ROOT / "docs" / "integrations.md").read_text().split("\n## verl", 1)[1]
-    block = text.split("```bash\n", 1)[1].split("```", 1)[0]
-    words = block.replace("\\\n", " ").split()
+    words = shlex.split(text.split("```bash\n", 1)[1].split("```", 1)[0])
     return [w for w in words if w.lstrip("+").startswith(("algorithm.", "actor_rollout_ref."))]
 
 
@@ -184,7 +185,8 @@ def test_the_documented_switch_composes_in_verls_own_config():
     from verl.utils.config import omega_conf_to_dataclass
 
     overrides = switch_overrides()
-    assert any("loss_mode=vcpo" in o for o in overrides) and any("optimizer=VCPOAdamW" in o for o in overrides)
+    assert len(overrides) == 9 and any(o.endswith("override_optimizer_config={lr_rule:sqrt,ess_base_ratio:1.0}")
+                                       for o in overrides)
     with initialize_config_dir(config_dir=str(Path(verl.__file__).parent / "trainer" / "config"), version_base=None):
         cfg = compose(config_name="ppo_trainer", overrides=overrides + [
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.rollout.n=4"])
