@@ -3,6 +3,7 @@ each holding half of the batch: the same per-sequence gradient norms and the sam
 unsharded model and the whole batch (tied and untied Llama, Qwen2; book-keeping, the two-pass path and
 micro-batches; grad_clip on)."""
 
+import json
 import os
 
 import pytest
@@ -150,3 +151,30 @@ def test_a_sharded_step_refuses_what_it_cannot_do(ranks):
     no_group, fused = ranks[0]["errors"]
     assert "needs process_group" in no_group
     assert "fused_lm_head=True" in fused
+
+
+def test_vcpo_train_with_fsdp_takes_the_steps_of_one_rank_and_resumes_without_it(tmp_path):
+    """`vcpo train --trainer-ranks 2 --fsdp` (rank 0's vLLM engine in its own processes) for 2 steps, resumed by one
+    rank without FSDP for a third: the metrics of a one-rank run (k = 0: the same samples), and checkpoints that
+    are plain Hugging Face folders with torch.optim's state."""
+    pytest.importorskip("vllm")
+    from test_trainer_ranks import COMMON, COMPARED, read_jsonl, train
+
+    env = {**os.environ, "VCPO_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+    common = [*COMMON, "--warm-start-steps", "220"]  # a warmer start than COMMON's: rewards (and gradients) from step 1
+    one, run = tmp_path / "one", tmp_path / "run"
+    train([*common, "--steps", "3", "--output-dir", str(one)], env)
+    train([*common, "--steps", "2", "--trainer-ranks", "2", "--fsdp", "--output-dir", str(run)], env)
+    checkpoint = run / "checkpoints" / "step-000002"
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint)
+    optimizer = torch.optim.AdamW(model.parameters())
+    optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=False))
+    assert all(optimizer.state[p]["step"] == 2 for p in model.parameters())
+    train(["--resume", str(run), "--steps", "3", "--trainer-ranks", "1", "--no-fsdp", "--no-progress"], env)
+    reference, rows = read_jsonl(one / "metrics.jsonl"), read_jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [r["step"] for r in reference] == [1, 2, 3]
+    assert all(r["grad_norm"] > 0 for r in reference)
+    for ref, row in zip(reference, rows):
+        for key in COMPARED:
+            assert row[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (row["step"], key)
+    assert json.load(open(run / "config.json"))["settings"]["fsdp"] is True

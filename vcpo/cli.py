@@ -67,6 +67,7 @@ SETTING_HELP = {
     "weight_transfer_host": "weight transfer nccl: this machine's address the servers join the NCCL groups at "
                             "(default: its address on the route to each server)",
     "trainer_ranks": "data-parallel trainer ranks, launched with torchrun (prompts_per_step must be a multiple)",
+    "fsdp": "shard the model over the trainer ranks with FSDP2 (needs trainer_ranks >= 2)",
 }
 
 
@@ -85,7 +86,7 @@ def _train_parser(sub) -> argparse.ArgumentParser:
         if f.name == "vcpo":
             continue
         default = "" if f.default is None else f" [{f.default}]"
-        if f.name in ("ess_scaling", "opob"):
+        if f.name in ("ess_scaling", "opob", "fsdp"):
             p.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, help=SETTING_HELP[f.name])
             continue
         kind = typing.get_args(hints[f.name])[0] if typing.get_origin(hints[f.name]) is typing.Union \

@@ -90,6 +90,7 @@ class TrainConfig:
     weight_transfer_host: Optional[str] = None  # nccl: this machine's address for the servers (default: per route)
     # trainer ranks (torchrun; docs/trainer.md): data-parallel replicas, each on its share of the prompt groups
     trainer_ranks: int = 1
+    fsdp: bool = False  # shard the model over the trainer ranks (FSDP2; docs/scale.md)
 
     @property
     def builtin(self) -> bool:
@@ -169,6 +170,14 @@ class TrainConfig:
         if self.trainer_ranks > 1 and self.engine == "inprocess":
             raise ValueError("trainer_ranks > 1 needs engine process or server: an in-process vLLM engine takes over "
                              "torch.distributed in the trainer's process")
+        if self.fsdp not in (True, False):
+            raise ValueError(f"fsdp must be true or false, got {self.fsdp!r}")
+        if self.fsdp and self.trainer_ranks < 2:
+            raise ValueError("fsdp shards the model over the trainer ranks: it needs trainer_ranks >= 2 (torchrun "
+                             "--nproc-per-node N, or --trainer-ranks N)")
+        if self.fsdp and self.vcpo_config().fused_lm_head:
+            raise ValueError("fsdp: fused_lm_head needs the LM head's weight outside its module's forward, where "
+                             "FSDP2 has it sharded; use fused_lm_head false")
         if self.prompts_per_step % self.trainer_ranks:
             raise ValueError(f"prompts_per_step ({self.prompts_per_step}) must be a multiple of trainer_ranks "
                              f"({self.trainer_ranks}): each rank trains on whole prompt groups, as many as the others")

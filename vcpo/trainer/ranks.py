@@ -18,7 +18,7 @@ import torch.distributed as dist
 from vcpo.step import RolloutBatch
 
 # header[0] of each message from rank 0
-STOP, BATCH = 0, 1
+STOP, BATCH, SAVE = 0, 1, 2
 
 
 def launched_ranks() -> int:
@@ -37,6 +37,7 @@ class TrainerRanks:
         self.groups_per_rank = groups // self.world
         self.group = None
         self.rank, self.local_rank = 0, 0
+        self.on_save = None  # FSDP2: what every rank does for rank 0's checkpoint (gather the optimizer state)
         if self.world > 1:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -77,6 +78,11 @@ class TrainerRanks:
         self._header(BATCH, b // self.world, t)
         return self._receive_share(_split(batch, self.world, self._wire), b // self.world, t)
 
+    def save(self) -> None:
+        """Rank 0, about to checkpoint: the other ranks run `on_save` (each message waits for all ranks)."""
+        if self.world > 1:
+            self._header(SAVE, 0, 0)
+
     def stop(self) -> None:
         """Rank 0: the other ranks leave their loop (the run ended, was interrupted or failed)."""
         if self.world > 1:
@@ -87,11 +93,15 @@ class TrainerRanks:
 
     # -- every rank ---------------------------------------------------------------------------------------------------
     def receive(self) -> Optional[RolloutBatch]:
-        """A rank > 0: its share of the next batch, or None when rank 0 says stop."""
+        """A rank > 0: its share of the next batch, or None when rank 0 says stop (`on_save` for each save
+        message before them)."""
         header = torch.empty(3, dtype=torch.long, device=self._wire)
-        dist.broadcast(header, src=0, group=self.group)
-        kind, rows, width = header.tolist()
-        return None if kind == STOP else self._receive_share(None, rows, width)
+        while True:
+            dist.broadcast(header, src=0, group=self.group)
+            kind, rows, width = header.tolist()
+            if kind != SAVE:
+                return None if kind == STOP else self._receive_share(None, rows, width)
+            self.on_save()
 
     def _receive_share(self, parts: Optional[list], rows: int, width: int) -> RolloutBatch:
         """Scatter (rank 0 sends `parts`, one packed tuple per rank) and unpack this rank's share."""
@@ -133,3 +143,64 @@ def launch_ranks(count: int, argv: list) -> None:
 
     os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone",
                               f"--nproc-per-node={count}", "-m", "vcpo.trainer", *argv])
+
+
+# -- FSDP2 (`--fsdp`; docs/scale.md, "FSDP2") -------------------------------------------------------------------------
+def shard(model: torch.nn.Module, ranks: TrainerRanks, param_dtype: Optional[torch.dtype] = None) -> None:
+    """FSDP2 over the trainer ranks' 1-D mesh: each decoder layer (the classes a Hugging Face model lists in
+    `_no_split_modules`) is one unit, all-gathered for its forward and backward, then the rest of the model (the
+    embeddings, final norm and LM head, a tied head with its embedding). `param_dtype` (e.g. bfloat16): the
+    all-gathered weights' dtype, gradients reduced in float32 and the shards and optimizer kept in theirs."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(ranks.device.type, (ranks.world,))
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    units = set(getattr(model, "_no_split_modules", None) or ())
+    for module in model.modules():
+        if type(module).__name__ in units:
+            fully_shard(module, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def _full():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # every rank takes part; each tensor is gathered, moved to the CPU of rank 0 alone, and freed on the device
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def full_weights(model: torch.nn.Module, ranks: TrainerRanks) -> Optional[dict]:
+    """Every rank: the sharded model's full state dict, gathered one tensor at a time; on rank 0 (CPU tensors),
+    None on the others."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    weights = get_model_state_dict(model, options=_full())
+    return weights if ranks.main else None
+
+
+def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ranks: TrainerRanks) -> Optional[dict]:
+    """Every rank: the sharded optimizer's state gathered to rank 0 in torch.optim's own layout (parameters by
+    their index in model.parameters()), which a run without FSDP loads as it is; None on the other ranks."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    state = get_optimizer_state_dict(model, optimizer, options=_full())
+    if not ranks.main:
+        return None
+    index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+    return {"state": {index[name]: v for name, v in state["state"].items()},
+            "param_groups": [{**g, "params": [index[name] for name in g["params"]]} for g in state["param_groups"]]}
+
+
+def load_full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: Optional[dict],
+                              ranks: TrainerRanks) -> None:
+    """Every rank: rank 0's `state` (torch.optim's layout, as full_optimizer_state gives it) into the sharded
+    optimizer, each tensor broadcast from rank 0 and cut to the ranks' shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    names = [name for name, _ in model.named_parameters()]
+    named = {} if not ranks.main else {
+        "state": {names[i]: v for i, v in state["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, named,
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))

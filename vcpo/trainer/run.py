@@ -29,7 +29,7 @@ from .config import TrainConfig, make_config
 from .evaluate import CORRECT_REWARD, held_out
 from .launch import start_engine
 from .pool import EngineUnavailable, ServerPool, WeightSyncError, check_reachable
-from .ranks import TrainerRanks
+from .ranks import TrainerRanks, full_optimizer_state, full_weights, load_full_optimizer_state, shard
 from .rollouts import GeneratedBatch, Rollout, RolloutProducer, pad_rollouts
 from .run_folder import RunFolder
 from .rewards import RewardError, RewardJob, RewardPool, resolve_reward, reward_metrics
@@ -41,7 +41,7 @@ BUILTIN_PROBLEMS = 10_000  # every such problem
 RESUMABLE = {"steps", "output_dir", "checkpoint_every", "keep_checkpoints", "eval_every", "engine",
              "engine_cores", "trainer_cores", "kv_cache_gib", "gpu_memory_utilization", "engine_urls",
              "engine_servers", "weights_dir", "weight_swap", "engine_timeout", "trainer_ranks", "report_to",
-             "reward_workers", "reward_timeout", "reward_errors"}
+             "reward_workers", "reward_timeout", "reward_errors", "fsdp"}
 # the metrics of vcpo.step copied into each metrics.jsonl line
 STEP_METRICS = ("loss", "ess_ratio", "lr_scale", "is_clip_fraction", "mean_is_coef", "kl_k3", "ppo_clip_fraction",
                 "grad_norm", "grad_sq_norm_mean", "baseline_mean", "advantage_abs_mean")
@@ -190,7 +190,8 @@ def _problems(cfg: TrainConfig, log, make_model: bool = True) -> Problems:
 
 class Policy:
     """The model being trained, its tokenizer and AdamW, on this rank's device (with a GPU: the rank's local
-    GPU), the same on every rank (rank 0's weights are broadcast)."""
+    GPU), the same on every rank (rank 0's weights are broadcast), or with `fsdp` sharded over the ranks (FSDP2:
+    the full weights gathered to rank 0 after each step, for the engine and the checkpoints)."""
 
     def __init__(self, path: str, cfg: TrainConfig, ranks: TrainerRanks) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -199,22 +200,35 @@ class Policy:
         hf_logging.disable_progress_bar()  # no bar per checkpoint write
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.device, self.process_group = ranks.device, ranks.group
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(self.device)
-        ranks.same_weights(self.model)
+        self.ranks, self.fsdp = ranks, cfg.fsdp
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        if self.fsdp:  # every rank read the same files; rank 0 keeps them for the engine's first weights
+            self._weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()} if ranks.main else None
+            shard(self.model, ranks)
+            ranks.on_save = lambda: full_optimizer_state(self.model, self.optimizer, ranks)
+        else:
+            self.model.to(self.device)
+            ranks.same_weights(self.model)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.resolved_lr(),
                                            weight_decay=cfg.weight_decay)
         self.vcpo_config = cfg.vcpo_config()
         self.groups, self.group_size = cfg.prompts_per_step, cfg.responses_per_prompt
-        if os.path.isfile(os.path.join(path, "optimizer.pt")):  # a checkpoint
-            self.optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), weights_only=False,
-                                                      map_location=self.device))
+        optimizer = os.path.join(path, "optimizer.pt")
+        if os.path.isfile(optimizer) and self.fsdp:  # a checkpoint, in torch.optim's layout (with or without FSDP)
+            state = torch.load(optimizer, weights_only=False) if ranks.main else None
+            load_full_optimizer_state(self.model, self.optimizer, state, ranks)
+        elif os.path.isfile(optimizer):
+            self.optimizer.load_state_dict(torch.load(optimizer, weights_only=False, map_location=self.device))
 
     def step(self, batch: RolloutBatch) -> dict:
         """vcpo.step on this rank's share; the proximal policy of PPO clipping is the behaviour policy."""
         if self.vcpo_config.clip_ratio is not None:
             batch = replace(batch, old_logp=batch.behavior_logp)
         self.model.train()
-        return vcpo.step(self.model, self.optimizer, batch, self.vcpo_config, process_group=self.process_group)
+        metrics = vcpo.step(self.model, self.optimizer, batch, self.vcpo_config, process_group=self.process_group)
+        if self.fsdp:  # every rank takes part in the gather
+            self._weights = full_weights(self.model, self.ranks)
+        return metrics
 
     def rollout_batch(self, rollouts: list[Rollout], pad_id: int) -> RolloutBatch:
         """The generated batch as vcpo.step's padded tensors; prompt groups in order, group_size each."""
@@ -224,16 +238,25 @@ class Policy:
         return RolloutBatch(ids, attn, loss_mask, mu, rewards, group_index=group, num_groups=self.groups)
 
     def weights(self) -> dict:
-        """A CPU copy of the weights, for the engine (which reads it while training goes on)."""
+        """A CPU copy of the weights, for the engine (which reads it while training goes on); rank 0's."""
+        if self.fsdp:
+            return self._weights
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
     def save(self, folder: str, model_dir: str) -> None:
-        self.model.save_pretrained(folder, safe_serialization=True)
+        """Rank 0: a Hugging Face model folder with optimizer.pt (torch.optim's layout, with or without FSDP)."""
+        if self.fsdp:
+            self.ranks.save()  # the other ranks gather the optimizer state with this one
+            optimizer = full_optimizer_state(self.model, self.optimizer, self.ranks)
+            self.model.save_pretrained(folder, state_dict=self._weights, safe_serialization=True)
+        else:
+            optimizer = self.optimizer.state_dict()
+            self.model.save_pretrained(folder, safe_serialization=True)
         self.tokenizer.save_pretrained(folder)
         generation = os.path.join(model_dir, "generation_config.json")
         if os.path.isfile(generation) and not os.path.isfile(os.path.join(folder, "generation_config.json")):
             shutil.copy(generation, folder)
-        torch.save(self.optimizer.state_dict(), os.path.join(folder, "optimizer.pt"))
+        torch.save(optimizer, os.path.join(folder, "optimizer.pt"))
 
 
 class Task:
