@@ -5,6 +5,7 @@ final evaluation (summary.json), with vLLM; that run also reports to TensorBoard
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -103,20 +104,36 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A short built-in run (in-process vLLM, reporting to TensorBoard), then `vcpo eval` on its folder."""
+    """A short built-in run (in-process vLLM, reporting to TensorBoard), then `vcpo eval` on its folder, and on a
+    copy of its last checkpoint as a plain model folder with the held-out problems as a data file."""
     pytest.importorskip("vllm")
     pytest.importorskip("tensorboard")
+    from vcpo.trainer.config import make_config
+    from vcpo.trainer.run import _problems
+
     root = tmp_path_factory.mktemp("eval")
     env = {**os.environ, "VCPO_CACHE": str(root / "cache"), "PYTHONUNBUFFERED": "1"}
     folder = root / "run"
-    for args in (["train", "--engine", "inprocess", "--steps", str(STEPS), "--prompts-per-step", "4",
-                  "--responses-per-prompt", "4", "--eval-size", "32", "--eval-every", "2", "--checkpoint-every", "2",
-                  "--warm-start-steps", "220", "--report-to", "tensorboard", "--no-progress",
-                  "--output-dir", str(folder)],
-                 ["eval", "--model", str(folder), "--n", "4"]):
-        proc = subprocess.run([sys.executable, "-m", "vcpo.cli", *args], env=env, capture_output=True, text=True,
-                              timeout=900)
+
+    def vcpo(*commands):
+        """`vcpo` commands, one after the other in one process (vLLM is imported once)."""
+        code = "from vcpo.cli import main\nfor args in %r:\n    assert main(args) == 0, args\n" % (
+            [list(map(str, c)) for c in commands],)
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+    vcpo(["train", "--engine", "inprocess", "--steps", STEPS, "--prompts-per-step", 4, "--responses-per-prompt", 4,
+          "--eval-size", 32, "--eval-every", 2, "--checkpoint-every", 2, "--warm-start-steps", 220,
+          "--report-to", "tensorboard", "--no-progress", "--output-dir", folder])
+    # the built-in prompts are [BOS] + the text: written with the BOS, a data file's prompts tokenize the same
+    held = _problems(make_config(eval_size=32), print, make_model=False).eval
+    data = root / "heldout32.jsonl"
+    data.write_text("".join(json.dumps({"question": "<s>" + p.prompt, "sum": p.answer}) + "\n" for p in held))
+    shutil.copytree(folder / "checkpoints" / f"step-{STEPS:06d}", root / "model",
+                    ignore=shutil.ignore_patterns("*.pt", "eval-*"))
+    vcpo(["eval", "--model", folder, "--n", 4],
+         ["eval", "--model", root / "model", "--data", data, "--prompt-field", "question", "--answer-field", "sum",
+          "--max-new-tokens", 8, "--n", 0])
     return folder
 
 
@@ -132,6 +149,15 @@ def test_vcpo_eval_matches_the_trainers_final_evaluation(trained):
     s = result["sampled"]
     assert s["n"] == 4 and 0 <= s["pass@1"] <= s["pass@2"] <= s["pass@4"] <= 1
     assert s["pass@1"] == pytest.approx(s["mean@4"])  # exact match scores 0 or 1: mean reward = pass@1
+
+
+def test_vcpo_eval_on_a_model_folder_and_a_data_file(trained):
+    """The same checkpoint as a plain model folder, on the held-out problems as a data file: the same accuracy."""
+    of_run = json.load(open(trained / "checkpoints" / f"step-{STEPS:06d}" / "eval-heldout.json"))
+    result = json.load(open(trained.parent / "model" / "eval-heldout32.json"))
+    assert result["step"] is None and result["data"].endswith("heldout32.jsonl") and result["prompts"] == 32
+    assert "sampled" not in result  # --n 0
+    assert result["greedy"] == of_run["greedy"]
 
 
 def test_the_run_reported_its_metrics_to_tensorboard(trained):
