@@ -9,6 +9,7 @@ import math
 import os
 import random
 import struct
+import time
 
 import pytest
 
@@ -74,9 +75,20 @@ def wandb_records(path):
     return records
 
 
+def complete_wandb_records(run_file, timeout=60.0):
+    """The records once the file holds the run's exit record: W&B's service may still be writing it after
+    run.finish() returned."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = wandb_records(run_file)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.1)
+
+
 def wandb_history(run_file):
     out = {}
-    for r in wandb_records(run_file):
+    for r in complete_wandb_records(run_file):
         if r.WhichOneof("record_type") == "history":
             items = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
             out[items.pop("_step")] = items
@@ -142,7 +154,7 @@ def test_wandb_offline_run_holds_the_metrics_and_resumes_the_same_run(tmp_path, 
         got = history[row["step"]]
         assert got["reward"] == pytest.approx(row["reward"]) and got["lag"] == row["lag"]
         assert "note" not in got and "nan" not in got and "interrupted" not in got
-    runs = [r.run for r in wandb_records(first[0]) if r.WhichOneof("record_type") == "run"]
+    runs = [r.run for r in complete_wandb_records(first[0]) if r.WhichOneof("record_type") == "run"]
     assert runs and runs[0].run_id == run_id and runs[0].project == "vcpo" and runs[0].display_name == "run"
     config = {i.key: json.loads(i.value_json) for i in runs[0].config.update}
     assert config["settings"] == {"steps": 10, "seed": 3}

@@ -78,7 +78,8 @@ def _run_settings(folder: str) -> Optional[dict]:
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
         return None
-    saved = json.load(open(path))
+    with open(path) as f:
+        saved = json.load(f)
     return saved["settings"] if isinstance(saved.get("settings"), dict) else None
 
 

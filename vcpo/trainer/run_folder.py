@@ -75,8 +75,13 @@ class RunFolder:
         self._metrics = open(self.file("metrics.jsonl"), "a")
         self._rollouts = open(self.file("rollouts.jsonl"), "a")
         if self.report_to:
-            config = json.load(open(self.file("config.json"))) if os.path.isfile(self.file("config.json")) else {}
-            self._reporters = Reporters(self.path, self.report_to, config, self.first_step)
+            try:
+                with open(self.file("config.json")) as f:
+                    config = json.load(f)
+                self._reporters = Reporters(self.path, self.report_to, config, self.first_step)
+            except BaseException:  # a reporter that cannot start: no log file left open
+                self.__exit__(None, None, None)
+                raise
         return self
 
     def __exit__(self, *exc) -> None:
