@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from vcpo.trainer.plot import read_metrics, rolling_mean
+
 # rule name -> `vcpo train` arguments; the loss presets are vcpo.trainer.config.LOSS_PRESETS
 RULES = {
     "vcpo": ["--loss", "vcpo"],
@@ -67,15 +69,6 @@ def plan(rules: list[str], ks: list[int], seeds: list[int], controls: bool) -> l
 
 
 # -- the curves' facts ------------------------------------------------------------------------------------------
-def trailing_mean(values: list[float], window: int) -> list[float]:
-    """Entry t: the mean of values[max(0, t - window + 1) : t + 1]."""
-    out, acc = [], 0.0
-    for t, v in enumerate(values):
-        acc += v - (values[t - window] if t >= window else 0.0)
-        out.append(acc / min(t + 1, window))
-    return out
-
-
 def collapse_window(steps: int) -> int:
     """The trailing window of the collapse test: 100 steps, or a tenth of a shorter run (at least 10)."""
     return min(100, max(10, steps // 10))
@@ -84,7 +77,7 @@ def collapse_window(steps: int) -> int:
 def collapse_step(rewards: list[float], window: int, fraction: float = 0.5, min_best: float = 0.2) -> Optional[int]:
     """A run collapsed at step t (1-based) when its trailing-`window` mean reward, having reached a best of at least
     `min_best`, falls below `fraction` x that best at t and stays below to the end of the run. None: no collapse."""
-    smooth = trailing_mean(rewards, window)
+    smooth = rolling_mean(rewards, window)
     if not smooth:
         return None
     best_at = max(range(len(smooth)), key=smooth.__getitem__)
@@ -103,7 +96,7 @@ def ess_lead(ess: list[float], collapse: Optional[int], window: int, level: floa
     None when there is no collapse or the ESS ratio was not below `level` when it came."""
     if collapse is None:
         return None
-    smooth = trailing_mean(ess, window)
+    smooth = rolling_mean(ess, window)
     t = collapse - 1
     if smooth[t] >= level:
         return None
@@ -128,18 +121,10 @@ def finished(folder: str, steps: int) -> bool:
     return not summary["interrupted"] and summary["steps"] >= steps
 
 
-def read_rows(folder: str) -> list[dict]:
-    path = os.path.join(folder, "metrics.jsonl")
-    if not os.path.isfile(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def control_lr(out: str, run: Run, lr: float) -> float:
     """lr x the median lr scale of the VCPO run at the same k and seed (which ran before)."""
     vcpo = os.path.join(out, Run("vcpo", run.k, run.seed).name)
-    rows = read_rows(vcpo)
+    rows = read_metrics(vcpo)
     if not rows:
         raise RuntimeError(f"{run.name} needs the finished VCPO run {vcpo} for its learning rate")
     return lr * statistics.median(r["lr_scale"] for r in rows)
@@ -177,7 +162,7 @@ def sweep(args) -> None:
         durations.append(time.monotonic() - started)
         if code != 0:
             raise SystemExit(f"{run.name} failed (exit {code}); its log: {log_path}")
-        rows = read_rows(folder)
+        rows = read_metrics(folder)
         tail = rows[-max(1, len(rows) // 10):]
         print(f"[{i}/{len(runs)}] {run.name}: {durations[-1]:.0f} s, reward over the last 10% "
               f"{statistics.fmean(r['reward'] for r in tail):.3f}", flush=True)
@@ -186,7 +171,7 @@ def sweep(args) -> None:
 # -- the report ---------------------------------------------------------------------------------------------------
 def describe_run(folder: str, steps: int) -> dict:
     """The facts of one finished run that the tables aggregate."""
-    rows = read_rows(folder)
+    rows = read_metrics(folder)
     summary = json.load(open(os.path.join(folder, "summary.json")))
     config = json.load(open(os.path.join(folder, "config.json")))
     window = collapse_window(steps)
@@ -259,7 +244,7 @@ def figures(described: dict[Run, dict], out: str, window: int) -> None:
             for row, key in ((0, "rewards"), (1, "ess")):
                 n = min(len(d[key]) for d in ds)
                 mean = [statistics.fmean(d[key][t] for d in ds) for t in range(n)]
-                axes[row][col].plot(range(1, n + 1), trailing_mean(mean, window), label=rule, lw=1)
+                axes[row][col].plot(range(1, n + 1), rolling_mean(mean, window), label=rule, lw=1)
         axes[0][col].set_title(f"k = {k}")
         axes[1][col].set_xlabel("step")
     axes[0][0].set_ylabel(f"reward (trailing {window}-step mean)")

@@ -1,4 +1,4 @@
-"""bench/staleness_sweep.py: its definitions (trailing mean, collapse, ESS lead time) against brute-force loops
+"""bench/staleness_sweep.py: its definitions (collapse, ESS lead time) against brute-force loops
 over random curves, and the sweep's bookkeeping (order, skip, resume, budget, the control's learning rate, the
 report) with `vcpo train` replaced by a stand-in that writes run folders."""
 
@@ -25,17 +25,6 @@ def random_curve(rng, n):
     peak, fall = rng.randrange(n), rng.choice([None, rng.randrange(n)])
     return [max(0.0, min(1.0, (min(t, peak) / max(peak, 1)) * (0.2 if fall is not None and t > fall else 1.0)
                          + rng.gauss(0, 0.1))) for t in range(n)]
-
-
-def test_trailing_mean_against_brute_force():
-    rng = random.Random(0)
-    for _ in range(50):
-        values = [rng.random() for _ in range(rng.randrange(1, 40))]
-        window = rng.randrange(1, 12)
-        got = sweep.trailing_mean(values, window)
-        for t, v in enumerate(got):
-            part = values[max(0, t - window + 1):t + 1]
-            assert v == pytest.approx(sum(part) / len(part), abs=1e-12)
 
 
 def test_collapse_step_against_the_definition():
