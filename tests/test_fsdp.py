@@ -160,8 +160,11 @@ def test_vcpo_train_with_fsdp_takes_the_steps_of_one_rank_and_resumes_without_it
     pytest.importorskip("vllm")
     from test_trainer_ranks import COMMON, COMPARED, read_jsonl, train
 
-    env = {**os.environ, "VCPO_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
-    common = [*COMMON, "--warm-start-steps", "220"]  # a warmer start than COMMON's: rewards (and gradients) from step 1
+    # a reward that varies from the first step (the briefly warmed-up model rarely adds right): gradients at once
+    (tmp_path / "length_reward.py").write_text("def score(response, answer):\n    return len(response) / 10\n")
+    env = {**os.environ, "VCPO_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    common = [*COMMON, "--reward", "length_reward:score"]
     one, run = tmp_path / "one", tmp_path / "run"
     train([*common, "--steps", "3", "--output-dir", str(one)], env)
     train([*common, "--steps", "2", "--trainer-ranks", "2", "--fsdp", "--output-dir", str(run)], env)

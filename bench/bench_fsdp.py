@@ -1,0 +1,142 @@
+"""One `vcpo.step` in 1 process (the unsharded model, the whole batch) against 2 FSDP2 gloo ranks (the model
+sharded by torch.distributed.fsdp.fully_shard, half of the batch each, one core each): step time, the largest
+parameter difference after one step from the same weights, and the peak resident memory of each process
+during the steps (the peak is reset after the model is built and sharded).
+
+Models (random Llama, fp32): "tiny" (hidden 256, 4 layers, vocab 10000: 6M parameters) and "100m" (hidden 768,
+12 layers, vocab 16000: 110M parameters). Batch: 16 x 256 tokens (tiny) or 8 x 128 (100m) of unequal lengths in
+prompt groups of 4; each rank gets whole groups. Each case runs in processes of its own.
+
+    python bench/bench_fsdp.py --model tiny --rounds 3
+    python bench/bench_fsdp.py --model 100m --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+MODELS = {  # hidden, intermediate, layers, heads, vocab, B, T
+    "tiny": (256, 688, 4, 4, 10000, 16, 256),
+    "100m": (768, 2048, 12, 12, 16000, 8, 128),
+}
+GROUP, PROMPT = 4, 16
+CONFIGS = {"book-keeping": {"assembly": "bookkeeping"}, "two-pass": {"assembly": "two_pass"}}
+
+
+def build(name: str):
+    import torch
+    import transformers
+
+    import vcpo
+
+    hidden, inter, layers, heads, vocab, b, t = MODELS[name]
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                                      max_position_embeddings=t, tie_word_embeddings=False)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (b, t), generator=g)
+    lengths = PROMPT + torch.randint(t // 4, t - PROMPT + 1, (b,), generator=g)  # unequal token counts
+    attention = (torch.arange(t) < lengths[:, None]).long()
+    loss_mask = attention * (torch.arange(t) >= PROMPT)
+    behavior = -torch.rand(b, t, generator=g) * 8 - 6
+    batch = vcpo.RolloutBatch(ids, attention, loss_mask, behavior, torch.randint(0, 2, (b,), generator=g).float(),
+                              group_index=torch.arange(b) // GROUP, num_groups=b // GROUP)
+    return model, batch
+
+
+def share(batch, rank: int, world: int):
+    import vcpo
+
+    b = batch.input_ids.shape[0]
+    rows = slice(rank * b // world, (rank + 1) * b // world)
+    return vcpo.RolloutBatch(batch.input_ids[rows], batch.attention_mask[rows], batch.loss_mask[rows],
+                             batch.behavior_logp[rows], batch.rewards[rows], group_index=batch.group_index[rows],
+                             num_groups=batch.num_groups)
+
+
+def status_mib(field: str) -> float:
+    """A memory line of /proc/self/status: VmRSS (resident now) or VmHWM (its peak)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith(field + ":"))
+
+
+def run(rank: int, world: int, init: str, name: str, options: dict, rounds: int, out: str) -> None:
+    """One process: (1 process) the whole batch, or (a rank of `world`) its share on the sharded model."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    import vcpo
+
+    os.sched_setaffinity(0, [rank % os.cpu_count()])
+    torch.set_num_threads(1)
+    model, batch = build(name)
+    group = None
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        batch, group = share(batch, rank, world), dist.group.WORLD
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    config = vcpo.VCPOConfig(**options)
+    gc.collect()
+    resident = status_mib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:  # the peak from here on
+        f.write("5")
+    vcpo.step(model, optimizer, batch, config, process_group=group)
+    first = {k: (v.full_tensor() if world > 1 else v).detach().clone() for k, v in model.state_dict().items()}
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        vcpo.step(model, optimizer, batch, config, process_group=group)
+        times.append(time.perf_counter() - start)
+    if rank == 0:
+        torch.save({"first": first, "median": statistics.median(times), "peak": status_mib("VmHWM"), "before": resident}, out)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    import torch
+    import torch.multiprocessing as mp
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=list(MODELS), default="tiny")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    hidden, inter, layers, heads, vocab, b, t = MODELS[args.model]
+    rows = []
+    for config, options in CONFIGS.items():
+        results = []
+        for world in (1, 2):
+            with tempfile.TemporaryDirectory() as tmp:
+                out = os.path.join(tmp, "rank0.pt")
+                mp.spawn(run, args=(world, f"file://{tmp}/init", args.model, options, args.rounds, out), nprocs=world)
+                results.append(torch.load(out))
+        one, two = results
+        diff = max((two["first"][k] - v).abs().max().item() for k, v in one["first"].items())
+        rows.append((config, one, two, diff))
+    print(f"| {args.model} Llama, step (B={b} x T={t}, {args.rounds} rounds, medians) | 1 process, 1 core | "
+          "2 FSDP2 ranks, 1 core each | speed-up | max abs param difference after one step | peak RSS in the steps: "
+          "1 process / FSDP2 rank 0 (resident before) |")
+    print("|---|---|---|---|---|---|")
+    for config, one, two, diff in rows:
+        print(f"| {config} | {one['median']:.3f} s | {two['median']:.3f} s | {one['median'] / two['median']:.2f}x | "
+              f"{diff:.1e} | {one['peak']:.0f} MiB ({one['before']:.0f}) / {two['peak']:.0f} MiB "
+              f"({two['before']:.0f}) |")
+
+
+if __name__ == "__main__":
+    main()
