@@ -5,17 +5,23 @@ Two modes:
 - "process": vLLM's engine core runs in its own processes, bound to `engine_cores` on a CPU machine; new
   weights travel through a safetensors file that the engine reloads from disk.
 - "inprocess": the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0); new weights are handed over
-  as tensors. It starts in seconds (the tests use it) but shares this process's cores with the trainer."""
+  as tensors. It starts in seconds (the tests use it) but shares this process's cores with the trainer.
+With `lora` (a LoRA run, vcpo/trainer/lora.py) the engine serves the base model with vLLM's LoRA support, and new
+weights are an adapter: written as an adapter folder, registered under a new LoRA id, named by every request."""
 
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
 ENGINE_MODES = ("process", "inprocess")
+# the sampled tokens' log-probs under the distribution sampled from (after the temperature), not the raw logits'
+# (vLLM's default, raw_logprobs); docs/trainer.md, "Sampling settings"
+LOGPROBS_MODE = "processed_logprobs"
 
 
 @dataclass
@@ -58,19 +64,24 @@ class RolloutEngine:
     def __init__(self, model_path: str, *, mode: str = "process", dtype: str = "float32",
                  max_model_len: int = 2048, kv_cache_gib: float = 1.0, seed: int = 0,
                  engine_cores: Optional[str] = None, sync_dir: Optional[str] = None,
-                 gpu_memory_utilization: float = 0.5) -> None:
+                 gpu_memory_utilization: float = 0.5, lora: Optional[dict] = None) -> None:
         if mode not in ENGINE_MODES:
             raise ValueError(f"engine must be one of {list(ENGINE_MODES)}, got {mode!r}")
-        if mode == "process" and sync_dir is None:
-            raise ValueError("engine='process' needs a sync_dir for the weight files")
+        if (mode == "process" or lora is not None) and sync_dir is None:
+            raise ValueError("engine='process' and LoRA need a sync_dir for the weight files")
         self.mode, self.sync_dir = mode, sync_dir
+        self.lora, self.adapter = lora, None  # the adapter config; the LoRARequest every request names
         _set_engine_env(mode, kv_cache_gib, engine_cores)
         from vllm import LLM
 
+        from .lora import engine_max_rank
+
+        lora_options = {} if lora is None else {"enable_lora": True, "max_loras": 1,
+                                                "max_lora_rank": engine_max_rank(lora["r"])}
         # prefix caching off: cached prompt KV computed with old weights would outlive a weight sync
         self.llm = LLM(model=model_path, dtype=dtype, enforce_eager=True, max_model_len=max_model_len, seed=seed,
                        gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=False,
-                       use_tqdm_on_load=False)
+                       logprobs_mode=LOGPROBS_MODE, use_tqdm_on_load=False, **lora_options)
 
     def generate(self, prompts: Sequence[Sequence[int]], *, n: int, max_tokens: int, temperature: float,
                  seeds: Optional[Sequence[int]] = None, stop_token_ids: Sequence[int] = ()) -> list[list[Completion]]:
@@ -83,7 +94,8 @@ class RolloutEngine:
                                  seed=None if seeds is None else int(seeds[i]),
                                  stop_token_ids=list(stop_token_ids), detokenize=False)
                   for i in range(len(prompts))]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False,
+                                 lora_request=self.adapter)
         result = []
         for out in outs:
             completions = []
@@ -97,7 +109,14 @@ class RolloutEngine:
 
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         """Replace the engine's weights by `state`, the policy's `version` (Hugging Face parameter names, CPU
-        tensors not modified while this runs)."""
+        tensors not modified while this runs); with LoRA, `state` is the adapter."""
+        if self.lora is not None:
+            from .lora import write_adapter
+
+            folder = os.path.join(self.sync_dir, f"adapter-v{version}")
+            write_adapter(folder, state, self.lora)
+            self.use_adapter(folder, version)
+            return
         state = unique_tensors(state)
         if self.mode == "inprocess":
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(state.items())})
@@ -109,6 +128,18 @@ class RolloutEngine:
         save_file({k: v.contiguous() for k, v in state.items()}, tmp)
         os.replace(tmp, os.path.join(self.sync_dir, "model.safetensors"))
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": self.sync_dir})
+
+    def use_adapter(self, folder: str, version: int) -> None:
+        """LoRA: the adapter folder `folder` (version `version`) from now on, loaded now; the previous one is
+        dropped from the engine (and its folder deleted when it was a sync's)."""
+        from vllm.lora.request import LoRARequest
+
+        previous, self.adapter = self.adapter, LoRARequest(f"vcpo-v{version}", version + 1, folder)
+        self.llm.llm_engine.add_lora(self.adapter)
+        if previous is not None and previous.lora_int_id != self.adapter.lora_int_id:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            if os.path.dirname(previous.lora_path) == self.sync_dir and previous.lora_path != folder:
+                shutil.rmtree(previous.lora_path, ignore_errors=True)
 
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None

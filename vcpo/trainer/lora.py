@@ -1,0 +1,119 @@
+"""LoRA training (`--lora-rank`, docs/trainer.md "LoRA"): the policy is the base model with peft LoRA adapters, of
+which only the adapter trains; the engine serves the base model with vLLM's LoRA support and receives only the
+adapter at each sync; a checkpoint is an adapter folder (peft's save_pretrained) that names its base model."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import torch
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # the file name peft and vLLM read
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.32's LoRAConfig.max_lora_rank choices
+
+
+def is_adapter(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, ADAPTER_CONFIG))
+
+
+def base_model_dir(adapter: str) -> str:
+    """The base model folder an adapter folder was trained on (recorded by peft)."""
+    with open(os.path.join(adapter, ADAPTER_CONFIG)) as f:
+        base = json.load(f).get("base_model_name_or_path")
+    if not base or not os.path.isdir(base):
+        raise ValueError(f"{adapter}: its adapter's base model folder {base!r} is not on this machine")
+    return base
+
+
+def targets(spec: str):
+    """lora_targets: "all-linear" (peft: every linear layer but the LM head) or comma-separated module names."""
+    if spec == "all-linear":
+        return spec
+    names = [t.strip() for t in spec.split(",") if t.strip()]
+    if not names:
+        raise ValueError(f"lora_targets must be all-linear or module names like q_proj,v_proj, got {spec!r}")
+    return names
+
+
+def engine_max_rank(rank: int) -> int:
+    """The smallest max_lora_rank vLLM accepts that holds `rank`."""
+    return next(r for r in VLLM_MAX_LORA_RANKS if r >= rank)
+
+
+def wrap(model, rank: int, alpha: float, target_spec: str):
+    """`model` with fresh LoRA adapters (B = 0: the policy starts as the base model); base weights frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets(target_spec), lora_dropout=0.0,
+                        bias="none", task_type="CAUSAL_LM")
+    try:
+        return get_peft_model(model, config)
+    except ValueError as e:  # target names that match no module of the model
+        raise ValueError(f"lora_targets {target_spec!r}: {e}") from None
+
+
+def load_policy(path: str, rank: int, alpha: float, target_spec: str):
+    """The LoRA policy in float32: fresh adapters on the model folder `path`, or, `path` being an adapter
+    checkpoint, its adapters (trainable) on the base model it names."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    if not is_adapter(path):
+        return wrap(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), rank, alpha, target_spec)
+    base = AutoModelForCausalLM.from_pretrained(base_model_dir(path), dtype=torch.float32)
+    return PeftModel.from_pretrained(base, path, is_trainable=True)
+
+
+def adapter_state(model) -> dict[str, torch.Tensor]:
+    """CPU copies of the adapter tensors, under peft's file names (what an adapter file holds)."""
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(model).items()}
+
+
+def adapter_config(model) -> dict:
+    """The adapter's peft config as adapter_config.json holds it."""
+    config = model.peft_config["default"].to_dict()
+    return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+
+
+def write_adapter(folder: str, state: dict[str, torch.Tensor], config: dict) -> int:
+    """An adapter folder (adapter_config.json, adapter_model.safetensors) that vLLM loads; returns its bytes."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(folder, ADAPTER_WEIGHTS))
+    with open(os.path.join(folder, ADAPTER_CONFIG), "w") as f:
+        json.dump(config, f, indent=2)
+    return sum(os.path.getsize(os.path.join(folder, n)) for n in (ADAPTER_WEIGHTS, ADAPTER_CONFIG))
+
+
+def adapter_rank(adapter: str) -> int:
+    with open(os.path.join(adapter, ADAPTER_CONFIG)) as f:
+        return int(json.load(f)["r"])
+
+
+def check_settings(rank: Optional[int], alpha: Optional[float], target_spec: str, *, engine: str, fsdp: bool,
+                   trainer_ranks: int) -> None:
+    """TrainConfig.validate's LoRA part."""
+    if rank is None:
+        if alpha is not None or target_spec != "all-linear":
+            raise ValueError("lora_alpha and lora_targets are settings of LoRA: add --lora-rank R")
+        return
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= VLLM_MAX_LORA_RANKS[-1]:
+        raise ValueError(f"lora_rank must be an integer from 1 to {VLLM_MAX_LORA_RANKS[-1]} (vLLM's largest), "
+                         f"got {rank!r}")
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0
+                              or alpha == float("inf")):
+        raise ValueError(f"lora_alpha must be a finite number > 0, got {alpha!r}")
+    if not isinstance(target_spec, str):
+        raise ValueError(f"lora_targets must be all-linear or module names like q_proj,v_proj, got {target_spec!r}")
+    targets(target_spec)
+    if engine == "server":
+        raise ValueError("lora_rank: LoRA is supported with engine process and inprocess, not server (the server "
+                         "pool's weight sync sends full weights)")
+    if fsdp or trainer_ranks > 1:
+        raise ValueError("lora_rank: LoRA runs with one trainer rank (trainer_ranks 1, no fsdp)")
