@@ -91,6 +91,10 @@ class TrainConfig:
     # trainer ranks (torchrun; docs/trainer.md): data-parallel replicas, each on its share of the prompt groups
     trainer_ranks: int = 1
     fsdp: bool = False  # shard the model over the trainer ranks (FSDP2; docs/scale.md)
+    # LoRA (docs/trainer.md, "LoRA"; vcpo/trainer/lora.py): only the adapter trains and goes to the engine
+    lora_rank: Optional[int] = None  # None: full fine-tuning
+    lora_alpha: Optional[float] = None  # default 2 * lora_rank
+    lora_targets: str = "all-linear"  # peft's every linear layer but the LM head, or module names, comma-separated
 
     @property
     def builtin(self) -> bool:
@@ -98,6 +102,9 @@ class TrainConfig:
 
     def resolved_max_new_tokens(self) -> int:
         return self.max_new_tokens if self.max_new_tokens is not None else (8 if self.data is None else 512)
+
+    def resolved_lora_alpha(self) -> float:
+        return self.lora_alpha if self.lora_alpha is not None else 2.0 * self.lora_rank
 
     def resolved_lr(self) -> float:
         return self.lr if self.lr is not None else (3e-4 if self.builtin else 1e-6)
@@ -182,6 +189,10 @@ class TrainConfig:
             raise ValueError(f"prompts_per_step ({self.prompts_per_step}) must be a multiple of trainer_ranks "
                              f"({self.trainer_ranks}): each rank trains on whole prompt groups, as many as the others")
         self._validate_server_settings()
+        from .lora import check_settings
+
+        check_settings(self.lora_rank, self.lora_alpha, self.lora_targets, engine=self.engine, fsdp=self.fsdp,
+                       trainer_ranks=self.trainer_ranks)
         parse_report_to(self.report_to)
         self.vcpo_config()
         return self
