@@ -68,6 +68,11 @@ SETTING_HELP = {
                             "(default: its address on the route to each server)",
     "trainer_ranks": "data-parallel trainer ranks, launched with torchrun (prompts_per_step must be a multiple)",
     "fsdp": "shard the model over the trainer ranks with FSDP2 (needs trainer_ranks >= 2)",
+    "lora_rank": "train LoRA adapters of this rank (peft) instead of the whole model; the engine gets only the "
+                 "adapter (docs/trainer.md, LoRA)",
+    "lora_alpha": "LoRA scale numerator: the adapter's update is (alpha / rank) B A (default: 2 * rank)",
+    "lora_targets": "the modules that get adapters: all-linear (every linear layer but the LM head) or names, "
+                    "comma-separated, e.g. q_proj,v_proj",
 }
 
 
