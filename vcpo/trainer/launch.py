@@ -28,8 +28,8 @@ def core_plan(cfg: TrainConfig) -> tuple[Optional[list[int]], Optional[list[int]
     """CPU with engine='process' or local servers: (engine cores, trainer cores), disjoint when there are enough,
     so that generation and training overlap as on separate GPU pools (default: the last core for the engine, the
     last N for N servers). Otherwise (None, None): nothing is pinned."""
-    if torch.cuda.is_available() or not (cfg.engine == "process" or local_server_count(cfg)):
-        return None, None
+    if cfg.ray is not None or torch.cuda.is_available() or not (cfg.engine == "process" or local_server_count(cfg)):
+        return None, None  # on Ray, the placement group's bundles place the ranks and servers
     allowed = sorted(os.sched_getaffinity(0))
     count = max(1, local_server_count(cfg))
     engine = parse_cores(cfg.engine_cores, "engine_cores") if cfg.engine_cores else allowed[-count:]
@@ -77,10 +77,11 @@ def _gpu_plan(count: int, trainer_gpus: int) -> Optional[list[str]]:
 @contextmanager
 def start_engine(cfg: TrainConfig, *, model_dir: str, max_len: int, run_dir: str, probe: str,
                  probe_ids: list[int], weights: Callable[[], dict], version: int, warm_up_prompt: list[int],
-                 log: Callable[[str], None]) -> Iterator[tuple]:
+                 log: Callable[[str], None], adapter: Optional[dict] = None) -> Iterator[tuple]:
     """(engine, seconds it took to start): a RolloutEngine or a ServerPool (both with generate, load_weights,
     close), started from `model_dir` with the trainer's `weights()` at `version`; closed (and local servers
-    stopped) on exit."""
+    stopped) on exit. With `adapter` (a LoRA run's adapter config), `model_dir` is the base model and `weights()`
+    the adapter, loaded at once."""
     started = time.perf_counter()
     engine_cores, trainer_cores = core_plan(cfg)
     engine = servers = None
@@ -95,7 +96,9 @@ def start_engine(cfg: TrainConfig, *, model_dir: str, max_len: int, run_dir: str
                                    kv_cache_gib=cfg.kv_cache_gib, seed=cfg.seed,
                                    engine_cores=None if engine_cores is None else ",".join(map(str, engine_cores)),
                                    sync_dir=os.path.join(run_dir, ".weights"),
-                                   gpu_memory_utilization=cfg.gpu_memory_utilization)
+                                   gpu_memory_utilization=cfg.gpu_memory_utilization, lora=adapter)
+            if adapter is not None:
+                engine.load_weights(weights(), version)
             if engine_cores is not None:
                 _pin_engine_processes(engine_cores)
         if engine_cores is not None:
@@ -122,12 +125,15 @@ def _start_server_pool(cfg: TrainConfig, *, model_dir: str, max_len: int, run_di
     urls = cfg.server_urls()
     count = local_server_count(cfg)
     if count:
-        servers = LocalServers(model_dir, count, log_dir=os.path.join(run_dir, "servers"), dtype=cfg.dtype,
-                               max_model_len=max_len, kv_cache_gib=cfg.kv_cache_gib, seed=cfg.seed,
-                               cores=None if engine_cores is None else split_cores(engine_cores, count),
-                               gpus=_gpu_plan(count, cfg.trainer_ranks),
-                               gpu_memory_utilization=cfg.gpu_memory_utilization,
-                               weight_transfer=cfg.weight_transfer, log=log)
+        kind = LocalServers
+        if cfg.ray is not None:  # each server on its own bundle of the run's placement group
+            from .ray_launch import RayServers as kind
+        servers = kind(model_dir, count, log_dir=os.path.join(run_dir, "servers"), dtype=cfg.dtype,
+                       max_model_len=max_len, kv_cache_gib=cfg.kv_cache_gib, seed=cfg.seed,
+                       cores=None if engine_cores is None else split_cores(engine_cores, count),
+                       gpus=None if cfg.ray is not None else _gpu_plan(count, cfg.trainer_ranks),
+                       gpu_memory_utilization=cfg.gpu_memory_utilization, weight_transfer=cfg.weight_transfer,
+                       log=log)
         urls = servers.start()
     pool = ServerPool(urls, weights_dir=cfg.weights_dir or os.path.join(run_dir, ".weights"),
                       weight_swap=cfg.weight_swap, timeout=cfg.engine_timeout, weight_transfer=cfg.weight_transfer,
