@@ -24,7 +24,7 @@ import torch
 import vcpo
 from vcpo.step import RolloutBatch
 
-from . import tiny
+from . import lora, tiny
 from .config import TrainConfig, make_config
 from .evaluate import CORRECT_REWARD, held_out
 from .launch import start_engine
@@ -41,7 +41,7 @@ BUILTIN_PROBLEMS = 10_000  # every such problem
 RESUMABLE = {"steps", "output_dir", "checkpoint_every", "keep_checkpoints", "eval_every", "engine",
              "engine_cores", "trainer_cores", "kv_cache_gib", "gpu_memory_utilization", "engine_urls",
              "engine_servers", "weights_dir", "weight_swap", "engine_timeout", "trainer_ranks", "report_to",
-             "reward_workers", "reward_timeout", "reward_errors", "fsdp"}
+             "reward_workers", "reward_timeout", "reward_errors", "fsdp", "ray"}
 # the metrics of vcpo.step copied into each metrics.jsonl line
 STEP_METRICS = ("loss", "ess_ratio", "lr_scale", "is_clip_fraction", "mean_is_coef", "kl_k3", "ppo_clip_fraction",
                 "grad_norm", "grad_sq_norm_mean", "baseline_mean", "advantage_abs_mean")
@@ -108,7 +108,8 @@ def _train(cfg: TrainConfig, ranks: TrainerRanks, resume: bool, log: Callable[[s
             with open(run.file("prompt_example.txt"), "w") as f:
                 f.write(task.train_texts[0])
         with run, _progress_bar(progress, cfg.steps, state.step) as bar, \
-                start_engine(cfg, model_dir=start or problems.model_dir, max_len=task.max_len, run_dir=run.path,
+                start_engine(cfg, model_dir=problems.model_dir if policy.adapter else start or problems.model_dir,
+                             max_len=task.max_len, run_dir=run.path, adapter=policy.adapter,
                              probe=task.train_texts[0], probe_ids=task.probe_ids, weights=policy.weights,
                              version=state.step, warm_up_prompt=task.train_prompts[0],
                              log=bar.write if bar else log) as (engine, engine_seconds):
@@ -191,7 +192,9 @@ def _problems(cfg: TrainConfig, log, make_model: bool = True) -> Problems:
 class Policy:
     """The model being trained, its tokenizer and AdamW, on this rank's device (with a GPU: the rank's local
     GPU), the same on every rank (rank 0's weights are broadcast), or with `fsdp` sharded over the ranks (FSDP2:
-    the full weights gathered to rank 0 after each step, for the engine and the checkpoints)."""
+    the full weights gathered to rank 0 after each step, for the engine and the checkpoints). With `lora_rank`:
+    peft LoRA adapters on the frozen base model, AdamW over the adapter alone, the adapter is what the engine gets
+    and what a checkpoint holds (vcpo/trainer/lora.py)."""
 
     def __init__(self, path: str, cfg: TrainConfig, ranks: TrainerRanks) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -201,7 +204,11 @@ class Policy:
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.device, self.process_group = ranks.device, ranks.group
         self.ranks, self.fsdp = ranks, cfg.fsdp
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        if cfg.lora_rank is not None:  # `path`: the base model, or an adapter checkpoint naming it
+            self.model = lora.load_policy(path, cfg.lora_rank, cfg.resolved_lora_alpha(), cfg.lora_targets)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        self.adapter = lora.adapter_config(self.model) if cfg.lora_rank is not None else None
         if self.fsdp:  # every rank read the same files; rank 0 keeps them for the engine's first weights
             self._weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()} if ranks.main else None
             shard(self.model, ranks)
@@ -209,7 +216,8 @@ class Policy:
         else:
             self.model.to(self.device)
             ranks.same_weights(self.model)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.resolved_lr(),
+        trainable = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA: the adapter alone
+        self.optimizer = torch.optim.AdamW(trainable, lr=cfg.resolved_lr(),
                                            weight_decay=cfg.weight_decay)
         self.vcpo_config = cfg.vcpo_config()
         self.groups, self.group_size = cfg.prompts_per_step, cfg.responses_per_prompt
@@ -238,13 +246,17 @@ class Policy:
         return RolloutBatch(ids, attn, loss_mask, mu, rewards, group_index=group, num_groups=self.groups)
 
     def weights(self) -> dict:
-        """A CPU copy of the weights, for the engine (which reads it while training goes on); rank 0's."""
+        """A CPU copy of the weights (with LoRA: of the adapter), for the engine (which reads it while training
+        goes on); rank 0's."""
+        if self.adapter is not None:
+            return lora.adapter_state(self.model)
         if self.fsdp:
             return self._weights
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
     def save(self, folder: str, model_dir: str) -> None:
-        """Rank 0: a Hugging Face model folder with optimizer.pt (torch.optim's layout, with or without FSDP)."""
+        """Rank 0: a Hugging Face model folder (with LoRA: peft's adapter folder) with optimizer.pt (torch.optim's
+        layout, with or without FSDP)."""
         if self.fsdp:
             self.ranks.save()  # the other ranks gather the optimizer state with this one
             optimizer = full_optimizer_state(self.model, self.optimizer, self.ranks)
