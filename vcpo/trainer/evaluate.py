@@ -14,6 +14,7 @@ import re
 import time
 from typing import Callable, Optional, Sequence
 
+from . import lora
 from .rewards import RewardJob
 
 CORRECT_REWARD = 1.0
@@ -144,14 +145,19 @@ def run_eval(model: str, *, data: Optional[str] = None, reward: Optional[str] = 
         if not rows:
             raise ValueError(f"data: the run of {model!r} held out no prompts (eval_size 0): give a file")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    task = Task(cfg, Problems(rows, rows, model_dir), tokenizer, model_dir, AutoConfig.from_pretrained(model_dir))
+    # a LoRA checkpoint: the base model served with the adapter, as the trainer's engine serves it
+    served = lora.base_model_dir(model_dir) if lora.is_adapter(model_dir) else model_dir
+    task = Task(cfg, Problems(rows, rows, model_dir), tokenizer, model_dir, AutoConfig.from_pretrained(served))
     path = output or default_output(model_dir, data)
     started = time.perf_counter()
     vllm = None
     try:
-        vllm = RolloutEngine(model_dir, mode=engine, dtype=cfg.dtype, max_model_len=task.max_len,
+        adapter = lora.read_adapter_config(model_dir) if served != model_dir else None
+        vllm = RolloutEngine(served, mode=engine, dtype=cfg.dtype, max_model_len=task.max_len,
                              kv_cache_gib=cfg.kv_cache_gib, seed=cfg.seed, sync_dir=model_dir,
-                             gpu_memory_utilization=cfg.gpu_memory_utilization)
+                             gpu_memory_utilization=cfg.gpu_memory_utilization, lora=adapter)
+        if adapter is not None:
+            vllm.use_adapter(model_dir, 0)
         result = evaluate(vllm, task, task.eval_prompts, rows, n=n, seed=seed)
     finally:
         if vllm is not None:
