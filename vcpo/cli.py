@@ -1,4 +1,4 @@
-"""The `vcpo` command: `vcpo train` and `vcpo eval` (docs/trainer.md), `vcpo serve` (a vLLM server, docs/scale.md)
+"""The `vcpo` command: `vcpo train`, `vcpo eval` and `vcpo export` (docs/trainer.md), `vcpo serve` (a vLLM server, docs/scale.md)
 and `vcpo plot`."""
 
 from __future__ import annotations
@@ -179,6 +179,13 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace) -> int:
+    from .trainer.export import export
+
+    export(args.model, args.output)
+    return 0
+
+
 def _plot(args: argparse.Namespace) -> int:
     import os
 
@@ -208,13 +215,18 @@ def main(argv=None) -> int:
     _eval_parser(sub)
     sub.add_parser("serve", help="a vLLM server for `vcpo train --engine server`: the arguments of `vllm serve`",
                    add_help=False)
+    export = sub.add_parser("export", help="a checkpoint as a Hugging Face model folder (a LoRA adapter merged into "
+                                           "its base model)")
+    export.add_argument("model", metavar="RUN_OR_CHECKPOINT", help="a run folder (its latest checkpoint) or a "
+                                                                   "checkpoint")
+    export.add_argument("--output", required=True, metavar="DIR", help="a new or empty folder")
     plot = sub.add_parser("plot", help="one figure comparing the curves of several runs")
     plot.add_argument("runs", nargs="+", metavar="[LABEL=]RUN")
     plot.add_argument("-o", "--output", default="compare.png")
     args = parser.parse_args(argv)
     try:
         return {"train": lambda: _train(args, argv[1:]), "eval": lambda: _eval(args),
-                "plot": lambda: _plot(args)}[args.command]()
+                "export": lambda: _export(args), "plot": lambda: _plot(args)}[args.command]()
     except ValueError as e:
         print(f"vcpo {args.command}: error: {e}", file=sys.stderr)
         return 2
