@@ -21,8 +21,7 @@ def is_adapter(folder: str) -> bool:
 
 def base_model_dir(adapter: str) -> str:
     """The base model folder an adapter folder was trained on (recorded by peft)."""
-    with open(os.path.join(adapter, ADAPTER_CONFIG)) as f:
-        base = json.load(f).get("base_model_name_or_path")
+    base = read_adapter_config(adapter).get("base_model_name_or_path")
     if not base or not os.path.isdir(base):
         raise ValueError(f"{adapter}: its adapter's base model folder {base!r} is not on this machine")
     return base
@@ -91,9 +90,9 @@ def write_adapter(folder: str, state: dict[str, torch.Tensor], config: dict) -> 
     return sum(os.path.getsize(os.path.join(folder, n)) for n in (ADAPTER_WEIGHTS, ADAPTER_CONFIG))
 
 
-def adapter_rank(adapter: str) -> int:
+def read_adapter_config(adapter: str) -> dict:
     with open(os.path.join(adapter, ADAPTER_CONFIG)) as f:
-        return int(json.load(f)["r"])
+        return json.load(f)
 
 
 def check_settings(rank: Optional[int], alpha: Optional[float], target_spec: str, *, engine: str, fsdp: bool,
