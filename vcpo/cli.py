@@ -68,6 +68,8 @@ SETTING_HELP = {
                             "(default: its address on the route to each server)",
     "trainer_ranks": "data-parallel trainer ranks, launched with torchrun (prompts_per_step must be a multiple)",
     "fsdp": "shard the model over the trainer ranks with FSDP2 (needs trainer_ranks >= 2)",
+    "ray": "place the trainer ranks and local servers on a Ray cluster: at ADDRESS (auto, HOST:PORT, "
+           "ray://HOST:PORT), or without one on a new local cluster (docs/trainer.md, Trainer ranks on Ray)",
     "lora_rank": "train LoRA adapters of this rank (peft) instead of the whole model; the engine gets only the "
                  "adapter (docs/trainer.md, LoRA)",
     "lora_alpha": "LoRA scale numerator: the adapter's update is (alpha / rank) B A (default: 2 * rank)",
@@ -93,6 +95,9 @@ def _train_parser(sub) -> argparse.ArgumentParser:
         default = "" if f.default is None else f" [{f.default}]"
         if f.name in ("ess_scaling", "opob", "fsdp"):
             p.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, help=SETTING_HELP[f.name])
+            continue
+        if f.name == "ray":
+            p.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS", help=SETTING_HELP[f.name])
             continue
         kind = typing.get_args(hints[f.name])[0] if typing.get_origin(hints[f.name]) is typing.Union \
             else hints[f.name]
@@ -125,15 +130,17 @@ def _train(args: argparse.Namespace, argv: list) -> int:
         cfg = make_config(load_file(config_file) if config_file else None, **settings)
     from .trainer.pool import EngineUnavailable, WeightSyncError
     from .trainer.ranks import launch_ranks, launched_ranks
+    from .trainer.ray_launch import TrainerRankDied, train_on_ray
     from .trainer.rewards import RewardError
     from .trainer.servers import ServerStartError
 
-    if cfg.validate().trainer_ranks > 1 and launched_ranks() == 1:
+    if cfg.validate().ray is None and cfg.trainer_ranks > 1 and launched_ranks() == 1:
         launch_ranks(cfg.trainer_ranks, argv)  # does not return: this process becomes torchrun
 
     try:
-        summary = train(cfg, resume=resume is not None, progress=progress)
-    except (EngineUnavailable, WeightSyncError, ServerStartError, RewardError) as e:
+        summary = train_on_ray(cfg, resume is not None) if cfg.ray is not None else \
+            train(cfg, resume=resume is not None, progress=progress)
+    except (EngineUnavailable, WeightSyncError, ServerStartError, RewardError, TrainerRankDied) as e:
         print(f"vcpo train: error: {e}", file=sys.stderr)
         return 1
     if summary is None:  # a trainer rank > 0: rank 0 reports the run

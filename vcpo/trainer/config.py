@@ -91,6 +91,7 @@ class TrainConfig:
     # trainer ranks (torchrun; docs/trainer.md): data-parallel replicas, each on its share of the prompt groups
     trainer_ranks: int = 1
     fsdp: bool = False  # shard the model over the trainer ranks (FSDP2; docs/scale.md)
+    ray: Optional[str] = None  # place the ranks and servers on Ray: "local" (a new local cluster) or its address
     # LoRA (docs/trainer.md, "LoRA"; vcpo/trainer/lora.py): only the adapter trains and goes to the engine
     lora_rank: Optional[int] = None  # None: full fine-tuning
     lora_alpha: Optional[float] = None  # default 2 * lora_rank
@@ -185,6 +186,9 @@ class TrainConfig:
         if self.fsdp and self.vcpo_config().fused_lm_head:
             raise ValueError("fsdp: fused_lm_head needs the LM head's weight outside its module's forward, where "
                              "FSDP2 has it sharded; use fused_lm_head false")
+        if self.ray is not None and not isinstance(self.ray, str):
+            raise ValueError(f"ray must be local or a Ray cluster's address (auto, HOST:PORT, ray://HOST:PORT), got "
+                             f"{self.ray!r}")
         if self.prompts_per_step % self.trainer_ranks:
             raise ValueError(f"prompts_per_step ({self.prompts_per_step}) must be a multiple of trainer_ranks "
                              f"({self.trainer_ranks}): each rank trains on whole prompt groups, as many as the others")

@@ -113,14 +113,15 @@ def split_cores(cores: Sequence[int], count: int) -> list[list[int]]:
 
 
 class LocalServers:
-    """N `vcpo serve` processes on 127.0.0.1, free ports, one session each (so a stop reaches vLLM's engine
-    processes too), logs in `log_dir`, the temporary files of each (vLLM's zmq sockets) in a folder of its own
-    that is removed when it stops."""
+    """N `vcpo serve` processes on `host` (an address of this machine: 127.0.0.1, or the one other machines reach),
+    free ports, one session each (so a stop reaches vLLM's engine processes too), logs in `log_dir`, the temporary
+    files of each (vLLM's zmq sockets) in a folder of its own that is removed when it stops."""
 
     def __init__(self, model: str, count: int, *, log_dir: str, dtype: str, max_model_len: int,
                  kv_cache_gib: float, seed: int, cores: Optional[list[list[int]]] = None,
                  gpus: Optional[list[str]] = None, gpu_memory_utilization: float = 0.5,
-                 weight_transfer: str = "storage", log: Callable[[str], None] = print) -> None:
+                 weight_transfer: str = "storage", host: str = "127.0.0.1",
+                 log: Callable[[str], None] = print) -> None:
         if count < 1:
             raise ValueError(f"engine_servers must be an integer >= 1, got {count!r}")
         if weight_transfer not in WEIGHT_TRANSFERS:
@@ -133,7 +134,7 @@ class LocalServers:
             self.args += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
         if weight_transfer == "nccl":
             self.args += NCCL_SERVER_ARGS
-        self.kv_cache_gib, self.cores, self.gpus = kv_cache_gib, cores, gpus
+        self.kv_cache_gib, self.cores, self.gpus, self.host = kv_cache_gib, cores, gpus, host
         self.procs: list[subprocess.Popen] = []
         self.tmp_dirs: list[str] = []
         self.urls: list[str] = []
@@ -151,7 +152,7 @@ class LocalServers:
         return self.urls
 
     def _start_one(self, i: int) -> None:
-        port = free_port()
+        port = free_port(self.host)
         tmp = tempfile.mkdtemp(prefix=f"vcpo-server-{i}-")
         self.tmp_dirs.append(tmp)
         env = {**os.environ, **POOL_ENV, "TMPDIR": tmp, PARENT_ENV: str(os.getpid()), TMPDIR_ENV: tmp,
@@ -163,14 +164,14 @@ class LocalServers:
             env["CUDA_VISIBLE_DEVICES"] = self.gpus[i]
         log_path = os.path.join(self.log_dir, f"server-{i}.log")
         with open(log_path, "ab") as log_file:
-            proc = subprocess.Popen([sys.executable, "-m", "vcpo.cli", "serve", self.model, "--host", "127.0.0.1",
+            proc = subprocess.Popen([sys.executable, "-m", "vcpo.cli", "serve", self.model, "--host", self.host,
                                      "--port", str(port), *self.args], env=env, stdout=log_file,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         if self.cores is not None:
             # before the server starts its threads and engine processes, which inherit the affinity
             os.sched_setaffinity(proc.pid, self.cores[i])
         self.procs.append(proc)
-        self.urls.append(f"http://127.0.0.1:{port}")
+        self.urls.append(f"http://{self.host}:{port}")
         with open(os.path.join(self.log_dir, "servers.json"), "w") as f:
             json.dump([{"url": u, "pid": p.pid, "log": os.path.join(self.log_dir, f"server-{j}.log"), "tmp": t}
                        for j, (u, p, t) in enumerate(zip(self.urls, self.procs, self.tmp_dirs))], f, indent=2)
