@@ -60,7 +60,7 @@ def test_evaluate_against_brute_force_counts():
     engine = ScriptedEngine(greedy, samples)
     rewards = RewardPool(exact_match, workers=2, timeout=10.0, errors="raise")
     task = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids, skip_special_tokens: "".join(map(str, ids))),
-                           max_new=5, stop_ids=[9], rewards=rewards)
+                           max_new=5, stop_ids=[9], rewards=rewards, temperature=0.7)
     problems = [SimpleNamespace(answer=a, example={"answer": a}) for a in answers]
     try:
         result = evaluate(engine, task, [[1], [2], [3]], problems, n=4, seed=100)
@@ -70,13 +70,14 @@ def test_evaluate_against_brute_force_counts():
     assert result["greedy"] == {"accuracy": pytest.approx(2 / 3), "reward": pytest.approx(2 / 3)}
     correct = [[s == a for s in row] for row, a in zip(samples, answers)]
     sampled = result["sampled"]
-    assert sampled["n"] == 4 and sampled["temperature"] == 1.0
+    assert sampled["n"] == 4 and sampled["temperature"] == 0.7  # the run's sampling temperature
     for k in (1, 2, 4):
         assert sampled[f"pass@{k}"] == pytest.approx(sum(brute_pass_at_k(c, k) for c in correct) / 3, abs=1e-12)
     assert sampled["mean@4"] == pytest.approx(sum(map(sum, correct)) / 12)
     assert set(sampled) == {"n", "temperature", "seed", "pass@1", "pass@2", "pass@4", "mean@4"}
     assert engine.calls[1]["seeds"] == [100, 104, 108]  # prompt i's j-th sample: seed 100 + 4 i + j
-    assert engine.calls[0]["temperature"] == 0.0 and all(c["max_tokens"] == 5 for c in engine.calls)
+    assert engine.calls[0]["temperature"] == 0.0 and engine.calls[1]["temperature"] == 0.7
+    assert all(c["max_tokens"] == 5 for c in engine.calls)
 
 
 def test_vcpo_eval_refuses_what_it_cannot_evaluate(tmp_path):

@@ -43,6 +43,10 @@ SETTING_HELP = {
     "max_new_tokens": "default: 8 on the built-in task, else 512",
     "max_staleness": "k: the largest policy-version lag of a consumed sample (0 = synchronous)",
     "seed": "prompt order, sampling seeds, initial RNG",
+    "temperature": "sampling temperature of the rollouts and of vcpo eval's samples; the trainer's log-probs are "
+                   "taken at it (the evaluation's greedy decoding is unchanged)",
+    "top_p": "nucleus sampling: only 1 (off); less is refused (docs/trainer.md, Sampling settings)",
+    "top_k": "top-k sampling: only -1 or 0 (off); more is refused (docs/trainer.md, Sampling settings)",
     "loss": "update rule: vcpo, grpo, seq-tis, token-tis, mis, ppo",
     "ess_scaling": "ESS-scaled learning rate on or off, over the preset",
     "opob": "OPOB with exact per-sequence norms on, or the group mean, over the preset",
@@ -105,6 +109,8 @@ def _train_parser(sub) -> argparse.ArgumentParser:
                        help=SETTING_HELP[f.name] + default)
     g = p.add_argument_group("VCPO loss options (docs/contract.md; values read as YAML, e.g. 8, true, null)")
     for f in fields(VCPOConfig):
+        if f.name == "temperature":  # the sampling setting above
+            continue
         g.add_argument(_flag(f.name), dest="vcpo." + f.name, type=_value, metavar="VALUE")
     return p
 
@@ -160,8 +166,8 @@ def _eval_parser(sub) -> None:
     p.add_argument("--data", help="a .jsonl/.parquet file or datasets folder, every row evaluated (default: the "
                                   "run's held-out split)")
     p.add_argument("--reward", help="exact, math or module:function (default: the run's, else exact)")
-    p.add_argument("--n", type=int, default=8, help="samples per prompt at temperature 1 for pass@k (0: greedy "
-                                                    "only) [8]")
+    p.add_argument("--n", type=int, default=8, help="samples per prompt at the run's temperature (else 1) for "
+                                                    "pass@k (0: greedy only) [8]")
     p.add_argument("--seed", type=int, default=0, help="the samples' seed [0]")
     p.add_argument("--max-new-tokens", type=int, help="default: the run's, else 512")
     p.add_argument("--prompt-field", help="the data's prompt column (default: the run's, else prompt)")

@@ -28,6 +28,9 @@ class VCPOConfig(PolicyLossOptions):
     # its own longest sequence; the step is the whole batch's (docs/grad_norms.md, "Micro-batches"). None: one
     # forward of the whole batch.
     micro_batch_size: Optional[int] = None
+    # The sampling temperature of the rollouts: the step's log-probs are those of softmax(logits / temperature),
+    # the distribution the behaviour log-probs are of (vLLM's processed log-probs; docs/trainer.md, "Sampling").
+    temperature: float = 1.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -45,6 +48,9 @@ class VCPOConfig(PolicyLossOptions):
             raise ValueError(f"micro_batch_size must be an integer >= 1 or None, got {self.micro_batch_size!r}")
         if self.grad_clip is not None and not (isinstance(self.grad_clip, (int, float)) and self.grad_clip > 0):
             raise ValueError(f"grad_clip must be a number > 0 or None, got {self.grad_clip!r}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or \
+                not 0 < self.temperature < float("inf"):
+            raise ValueError(f"temperature must be a finite number > 0, got {self.temperature!r}")
 
 
 # exact: ||grad_theta sum_t log pi(y_it)||^2 over all trainable parameters, from one batched backward (a model

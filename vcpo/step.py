@@ -52,9 +52,11 @@ class RolloutBatch:
             raise ValueError(f"rewards must have shape [B] = [{shape[0]}], got {tuple(self.rewards.shape)}")
 
 
-def token_logp(logits: Tensor, targets: Tensor) -> Tensor:
-    """log softmax(logits)[target], in fp32 at least (materialises the logits over the vocabulary)."""
+def token_logp(logits: Tensor, targets: Tensor, temperature: float = 1.0) -> Tensor:
+    """log softmax(logits / temperature)[target], in fp32 at least (materialises the logits over the vocabulary)."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if temperature != 1:
+        logits = logits / temperature
     return torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
@@ -253,7 +255,7 @@ class _Pass:
                 logp = self.fused.logp(self.psg, detach_body=record and not keep and self.psg is None)
             else:
                 logits = model(input_ids=ids, attention_mask=mb.attention_mask, **_model_kwargs(model)).logits
-                logp = token_logp(logits[:, :-1], ids[:, 1:])
+                logp = token_logp(logits[:, :-1], ids[:, 1:], config.temperature)
                 del logits
             if record:
                 objective = torch.where(self.mask, logp, 0).sum()
@@ -461,7 +463,7 @@ class _FusedHead:
                 self.hidden[:, :-1].reshape(-1, self.hidden.shape[-1]), self.head.weight, self.targets,
                 bias=self.head.bias, cu_seqlens=None if self.sq is None else self.cu, seq_grad_sq_norm=self.sq,
                 seq_grad_row_ids=ids if record_rows else None, seq_grad_rows=self.rows, softcap=self.softcap,
-                validate=False, backend=self.config.backend)
+                temperature=self.config.temperature, validate=False, backend=self.config.backend)
         return out.logp.view(b, t - 1)
 
     def head_sq_norms(self, psg: Optional[PerSequenceGradients]) -> Tensor:
@@ -477,5 +479,5 @@ class _FusedHead:
         from a second pass of the op over the saved hidden states."""
         h = self.hidden[:, :-1].detach().reshape(-1, self.hidden.shape[-1])
         out = vk.linear_logprobs(h, self.head.weight, self.targets, bias=self.head.bias, softcap=self.softcap,
-                                 validate=False, backend=self.config.backend)
+                                 temperature=self.config.temperature, validate=False, backend=self.config.backend)
         out.logp.backward(dlogp.reshape(-1).to(out.logp.dtype))

@@ -35,6 +35,12 @@ LOSS_PRESETS: dict[str, dict[str, Any]] = {
 ENGINE_MODES = ("process", "inprocess", "server")
 WEIGHT_SWAPS = ("wait", "keep", "abort")
 WEIGHT_TRANSFERS = ("storage", "nccl")  # docs/scale.md, "Weight transfer over NCCL"
+SAMPLING_REFUSED = (
+    "vLLM would sample from the truncated, renormalised distribution, so the trainer's log-probs would have to be "
+    "of that same distribution, whose token set comes from sorting the logits: the trainer's forward does not "
+    "round as the engine's does, so a token at the edge of the set can be in one and not the other (log-prob "
+    "-inf, an infinite importance weight), and the fused LM head never forms the logits the sort needs. Use "
+    "temperature < 1 to sharpen the sampling (docs/trainer.md, \"Sampling settings\")")
 
 
 @dataclass
@@ -60,6 +66,10 @@ class TrainConfig:
     max_new_tokens: Optional[int] = None  # default 8 on the built-in task, 512 otherwise
     max_staleness: int = 4
     seed: int = 0
+    # sampling (docs/trainer.md, "Sampling settings"): the trainer's log-probs are taken at the same temperature
+    temperature: float = 1.0
+    top_p: float = 1.0  # 1: off (anything less is refused: see SAMPLING_REFUSED)
+    top_k: int = -1  # -1 or 0: off (anything more is refused)
     # the update
     loss: str = "vcpo"
     ess_scaling: Optional[bool] = None  # override the preset: ESS-scaled lr (sqrt rule) on or off
@@ -118,6 +128,7 @@ class TrainConfig:
             options.update({"advantage": "opob", "grad_norms": "exact"} if self.opob
                            else {"advantage": "grpo", "grad_norms": "uniform"})
         options.update(self.vcpo)
+        options["temperature"] = self.temperature  # the step's log-probs are of the distribution sampled from
         try:
             return VCPOConfig(**options)
         except TypeError as e:  # an unknown field name
@@ -167,6 +178,7 @@ class TrainConfig:
                 raise ValueError(f"{name} must be true, false or unset, got {getattr(self, name)!r}")
         if not isinstance(self.vcpo, dict):
             raise ValueError(f"vcpo must be a mapping of VCPO loss options, got {self.vcpo!r}")
+        self._validate_sampling()
         if self.model is not None and not os.path.isdir(self.model):
             raise ValueError(f"model must be a local Hugging Face model folder, got {self.model!r}")
         if self.model is None and self.data is not None:
@@ -200,6 +212,17 @@ class TrainConfig:
         parse_report_to(self.report_to)
         self.vcpo_config()
         return self
+
+    def _validate_sampling(self) -> None:
+        if "temperature" in self.vcpo:
+            raise ValueError("vcpo.temperature follows the sampling setting: set temperature instead")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer >= -1 (-1 or 0: off), got {self.top_k!r}")
+        for name, on in (("top_p", self.top_p < 1), ("top_k", self.top_k > 0)):
+            if on:
+                raise ValueError(f"{name} {getattr(self, name)!r} is refused: {SAMPLING_REFUSED}")
 
     def _validate_server_settings(self) -> None:
         if self.weight_swap not in WEIGHT_SWAPS:

@@ -1,6 +1,6 @@
 """Evaluation on held-out prompts (docs/trainer.md, "Evaluation"): greedy accuracy and mean reward, and from n
-samples per prompt at temperature 1, pass@k (the unbiased estimator) and mean@n. The trainer's periodic and final
-evaluation is `held_out` (greedy only); `vcpo eval` is `run_eval` on a checkpoint, written as JSON beside it.
+samples per prompt at the run's temperature, pass@k (the unbiased estimator) and mean@n. The trainer's periodic and
+final evaluation is `held_out` (greedy only); `vcpo eval` is `run_eval` on a checkpoint, written as JSON beside it.
 
 A response is correct when its reward is at least 1: the full score of the exact-match and math rewards, which
 score 0 or 1."""
@@ -41,7 +41,7 @@ def _scores(task, texts: Sequence[str], problems: Sequence, uids: Sequence) -> l
 def evaluate(engine, task, prompts: Sequence[Sequence[int]], problems: Sequence, *, n: int = 0,
              seed: int = 0) -> dict:
     """Greedy accuracy and mean reward of `engine` on `prompts` (token ids; `problems` their answers), scored with
-    `task`'s reward; with n > 0 also n samples per prompt at temperature 1 (prompt i's j-th seeded with
+    `task`'s reward; with n > 0 also n samples per prompt at the task's temperature (prompt i's j-th seeded with
     seed + i * n + j): pass@k for reported_ks(n) and mean@n, the mean reward of the samples."""
     decode = task.tokenizer.decode
     outs = engine.generate(prompts, n=1, max_tokens=task.max_new, temperature=0.0, stop_token_ids=task.stop_ids)
@@ -51,7 +51,7 @@ def evaluate(engine, task, prompts: Sequence[Sequence[int]], problems: Sequence,
               "greedy": {"accuracy": sum(r >= CORRECT_REWARD for r in rewards) / len(rewards),
                          "reward": sum(rewards) / len(rewards)}}
     if n > 0:
-        outs = engine.generate(prompts, n=n, max_tokens=task.max_new, temperature=1.0,
+        outs = engine.generate(prompts, n=n, max_tokens=task.max_new, temperature=task.temperature,
                                seeds=[seed + i * n for i in range(len(prompts))], stop_token_ids=task.stop_ids)
         samples = [(i, j, decode(c.token_ids, skip_special_tokens=True))
                    for i, completions in enumerate(outs) for j, c in enumerate(completions)]
@@ -60,7 +60,7 @@ def evaluate(engine, task, prompts: Sequence[Sequence[int]], problems: Sequence,
         correct = [0] * len(prompts)
         for (i, _, _), r in zip(samples, rewards):
             correct[i] += r >= CORRECT_REWARD
-        result["sampled"] = {"n": n, "temperature": 1.0, "seed": seed,
+        result["sampled"] = {"n": n, "temperature": task.temperature, "seed": seed,
                              **{f"pass@{k}": sum(pass_at_k(n, c, k) for c in correct) / len(correct)
                                 for k in reported_ks(n)},
                              f"mean@{n}": sum(rewards) / len(rewards)}

@@ -141,7 +141,8 @@ def _start_server_pool(cfg: TrainConfig, *, model_dir: str, max_len: int, run_di
                       device=torch.device("cuda:0") if cfg.weight_transfer == "nccl" else None, log=log)
     setting = "engine_servers" if servers else "engine_urls"
     try:
-        pool.check(setting=setting, probe_text=probe, probe_ids=probe_ids, max_model_len=max_len)
+        pool.check(setting=setting, probe_text=probe, probe_ids=probe_ids, max_model_len=max_len,
+                   temperature=cfg.temperature)
         try:
             pool.load_weights(weights, version)
         except WeightSyncError as e:

@@ -26,7 +26,7 @@ import httpx
 import torch
 
 from .config import WEIGHT_TRANSFERS
-from .engine import Completion, unique_tensors
+from .engine import LOGPROBS_MODE, Completion, unique_tensors
 
 WEIGHT_SWAPS = ("wait", "keep", "abort")
 
@@ -61,6 +61,21 @@ def check_reachable(urls: Sequence[str], setting: str = "engine_urls", timeout: 
     failed = [f for f in asyncio.run(check_all()) if f]
     if failed:
         raise ValueError(f"{setting}: unreachable: {'; '.join(failed)}")
+
+
+async def check_logprobs_mode(client: httpx.AsyncClient, url: str, setting: str) -> None:
+    """The server reports its sampled tokens' log-probs after the temperature (vLLM's logprobs_mode, in its
+    /server_info: VLLM_SERVER_DEV_MODE), as the trainer takes them; else ValueError naming `setting` and `url`."""
+    try:  # the answer also holds the machine's environment, which vLLM collects once (seconds)
+        info = (await client.get(url + "/server_info", params={"config_format": "json"}, timeout=120.0)).json()
+        mode = info["vllm_config"]["model_config"]["logprobs_mode"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{setting}: {url} does not report its logprobs_mode at /server_info ({type(e).__name__}: "
+                         f"{e})") from None
+    if mode != LOGPROBS_MODE:
+        raise ValueError(f"{setting}: {url} reports {mode} (log-probs before the temperature), but with temperature "
+                         f"!= 1 the behaviour log-probs must be of the distribution sampled from: start it with "
+                         f"--logprobs-mode {LOGPROBS_MODE}")
 
 
 class _Failed(Exception):
@@ -134,11 +149,15 @@ class ServerPool:
         return [s for s in self.servers if s.up]
 
     # -- start-up checks ------------------------------------------------------------------------------------------
-    def check(self, *, setting: str, probe_text: str, probe_ids: list[int], max_model_len: int) -> None:
+    def check(self, *, setting: str, probe_text: str, probe_ids: list[int], max_model_len: int,
+              temperature: float = 1.0) -> None:
         """Each server is reachable (within seconds), serves a model with the trainer's tokenizer and a long
-        enough context, and has the endpoints the pool needs (with weight_transfer nccl: vLLM's NCCL engine, whose
-        groups are then set up); else ValueError naming `setting` and the URL."""
+        enough context, has the endpoints the pool needs (with weight_transfer nccl: vLLM's NCCL engine, whose
+        groups are then set up) and, to sample at a temperature other than 1, reports the log-probs after it;
+        else ValueError naming `setting` and the URL."""
         self._call(_all(*(self._check(s, setting, probe_text, probe_ids, max_model_len) for s in self.servers)))
+        if temperature != 1:  # at 1 vLLM's raw and processed log-probs are the same numbers
+            self._call(_all(*(check_logprobs_mode(self._client, s.url, setting) for s in self.servers)))
         if self._nccl is not None:
             self._call(self._nccl.connect(self.urls, setting, self._healthy_url))
 

@@ -278,6 +278,7 @@ class Task:
     def __init__(self, cfg: TrainConfig, problems: Problems, tokenizer, model_dir: str, model_config) -> None:
         self.problems, self.tokenizer, self.builtin = problems, tokenizer, cfg.builtin
         self.seed, self.groups, self.group_size = cfg.seed, cfg.prompts_per_step, cfg.responses_per_prompt
+        self.temperature = cfg.temperature  # of the rollouts and of the evaluation's samples
         self.stop_ids = _stop_ids(tokenizer, model_dir)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.stop_ids or [0])[0]
         # the prompts rendered and tokenized once: the engine gets these ids, and the trainer trains on them
@@ -305,9 +306,10 @@ class Task:
         """Rollout batch `index`: group_size responses to each of its prompts, scored, from an engine that holds
         `version` when it starts."""
         idx = self.stream.batch(index, self.groups)
-        # temperature 1: the engine's log-probs are then those of the distribution the trainer differentiates
+        # the engine reports the log-probs after the temperature, as the trainer takes them (vcpo_config)
         outs = engine.generate([self.train_prompts[i] for i in idx], n=self.group_size, max_tokens=self.max_new,
-                               temperature=1.0, seeds=[_request_seed(self.seed, index, pos) for pos in range(len(idx))],
+                               temperature=self.temperature,
+                               seeds=[_request_seed(self.seed, index, pos) for pos in range(len(idx))],
                                stop_token_ids=self.stop_ids)
         samples = [(i, r, c, self.tokenizer.decode(c.token_ids, skip_special_tokens=True))
                    for i, completions in zip(idx, outs) for r, c in enumerate(completions)]

@@ -21,9 +21,10 @@ import time
 from typing import Callable, Optional, Sequence
 
 from .config import WEIGHT_TRANSFERS
+from .engine import LOGPROBS_MODE
 
 POOL_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
-POOL_ARGS = ["--enable-scale-out"]
+POOL_ARGS = ["--enable-scale-out", "--logprobs-mode", LOGPROBS_MODE]
 NCCL_SERVER_ARGS = ["--weight-transfer-config", '{"backend": "nccl"}']  # vLLM's NCCL weight-transfer engine
 PARENT_ENV, TMPDIR_ENV = "VCPO_SERVER_PARENT", "VCPO_SERVER_TMPDIR"  # set by LocalServers for `vcpo serve`
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
