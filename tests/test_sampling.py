@@ -69,6 +69,51 @@ def check_gaps(results):
             assert g["untempered"] > 1e-2, (t, g)
 
 
+# -- vcpo.step at a temperature ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fused", [False, True])
+def test_step_at_a_temperature_against_a_per_sequence_loop(fused):
+    """The whole update at temperature 0.6 (exact per-sequence norms, the loss, the SGD step) against float64
+    log-probs of softmax(logits / 0.6) written out, with one backward per sequence."""
+    import copy
+
+    import torch
+
+    import vcpo
+    import vcpo_kernels as vk
+    from test_step import _batch, _model
+
+    t = 0.6
+    model = _model()
+    batch = _batch(model)
+    reference = copy.deepcopy(model)
+    config = vcpo.VCPOConfig(temperature=t, ess_base_ratio=1.0, grad_clip=None, backend="cpu", fused_lm_head=fused)
+    metrics = vcpo.step(model, torch.optim.SGD(model.parameters(), lr=1e-2), batch, config)
+    untempered = vcpo.step(copy.deepcopy(reference), torch.optim.SGD(reference.parameters(), lr=0.0), batch,
+                           vcpo.VCPOConfig(ess_base_ratio=1.0, grad_clip=None, backend="cpu", fused_lm_head=fused))
+
+    params = list(reference.parameters())
+    mask = batch.loss_mask[:, 1:] != 0
+    z = reference(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1] / t
+    logp = (z - z.logsumexp(-1, keepdim=True)).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+    g_sq = torch.stack([sum(g.pow(2).sum() for g in torch.autograd.grad((logp[i] * mask[i]).sum(), params,
+                                                                        retain_graph=True))
+                        for i in range(logp.shape[0])])
+    leaf = logp.detach().requires_grad_()
+    out = vk.policy_loss(leaf, batch.behavior_logp[:, 1:], mask=mask, rewards=batch.rewards,
+                         group_index=batch.group_index, grad_sq_norm=g_sq, options=config, backend="torch")
+    (dlogp,) = torch.autograd.grad(out.loss, leaf)
+    grads = torch.autograd.grad((logp * dlogp).sum(), params)
+    with torch.no_grad():
+        for p, g in zip(params, grads):
+            p -= 1e-2 * out.lr_scale.item() * g
+    assert metrics["grad_sq_norm_mean"] == pytest.approx(g_sq.mean().item(), rel=1e-9)
+    assert metrics["loss"] == pytest.approx(out.loss.item(), rel=1e-6)
+    assert metrics["lr_scale"] == pytest.approx(out.lr_scale.item(), rel=1e-6)
+    assert abs(untempered["grad_sq_norm_mean"] / metrics["grad_sq_norm_mean"] - 1) > 1e-2  # T matters here
+    for (name, p), q in zip(model.named_parameters(), params):
+        torch.testing.assert_close(p, q, rtol=1e-7, atol=1e-9, msg=lambda m: f"{name}: {m}")
+
+
 # -- refused and invalid settings ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("setting", [{"top_p": 0.9}, {"top_p": 0.999}, {"top_k": 1}, {"top_k": 50}])
 def test_truncated_sampling_is_refused_with_the_reason(setting):
