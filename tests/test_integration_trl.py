@@ -1,7 +1,8 @@
 """vcpo.integrations.trl against the real trl.GRPOTrainer (CPU, use_vllm=False) on a tiny random Llama with a locally
 built tokenizer: the generation batch's advantages, ESS and lr scale against float64 recomputations on the same
 completions, the loss against vcpo.policy_loss, the gradient with VCPO's parts off against GRPOTrainer's own, and
-baselines formed once over a generation batch that steps_per_generation splits into several optimizer steps."""
+baselines formed once over a generation batch that steps_per_generation splits into several optimizer steps, and two
+processes under `accelerate launch` against one. Run as a script, the file is that test's training run."""
 
 import copy
 import json
@@ -342,3 +343,97 @@ def test_vllm_colocate_sampling_logprobs(tokenizer, recorded, monkeypatch, tmp_p
     assert log["vcpo/ess_ratio"] == pytest.approx(rho, rel=1e-5) and log["vcpo/lr_scale"] == pytest.approx(scale, rel=1e-5)
     for scaled, base in zip(recorder.scaled, recorder.base):
         assert scaled == pytest.approx(base * scale, rel=1e-5)
+
+
+# -- several processes ---------------------------------------------------------------------------------------------
+
+GLOBAL_BATCH = 12  # 3 prompt groups of N_GEN per generation batch; on 2 processes, 6 rows each (a group spans both)
+
+
+def fixed_rollout(stale):
+    """A TRL `rollout_func` whose completions and behaviour log-probs depend only on the row's place in the global
+    generation batch and the step (not on the process count or the sampling RNG), so one and two processes train on
+    the same batches; the log-probs are `stale`'s (a perturbed copy of the policy), so the weights are off-policy."""
+    def rollout(prompts, trainer):
+        tokenizer = trainer.processing_class
+        first = trainer.accelerator.process_index * len(prompts)
+        out = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
+        for i, prompt in enumerate(prompts):
+            rng = torch.Generator().manual_seed(1000 * trainer.state.global_step + first + i)
+            length = int(torch.randint(2, 7, (), generator=rng))
+            completion = torch.randint(4, len(tokenizer), (length,), generator=rng).tolist()
+            prompt_ids = tokenizer(prompt)["input_ids"]
+            row = {"prompt_ids": torch.tensor([prompt_ids]), "prompt_mask": torch.ones(1, len(prompt_ids)),
+                   "completion_ids": torch.tensor([completion]), "completion_mask": torch.ones(1, length)}
+            with torch.no_grad():
+                logprobs = completion_logp(stale, row)[0].tolist()
+            for key, value in zip(out, (prompt_ids, completion, logprobs)):
+                out[key].append(value)
+        return out
+    return rollout
+
+
+def train_processes(path):
+    """One training run of 2 generation batches of GLOBAL_BATCH rows, each one SGD step of two accumulated chunks,
+    on however many processes launched it; process 0 saves the weights, logs and scaled lrs to `path`."""
+    os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"  # rollout_func's warning
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    tokenizer = build_tokenizer()
+    model = tiny_model(tokenizer)
+    torch.manual_seed(1)
+    stale = snapshot(model)
+    with torch.no_grad():
+        for p in stale.parameters():
+            p.add_(4.0 * p.std().nan_to_num(0) * torch.randn_like(p))
+    args = VCPOGRPOConfig(output_dir="/tmp/vcpo-trl-test", per_device_train_batch_size=GLOBAL_BATCH // 2 // world,
+                          steps_per_generation=2, gradient_accumulation_steps=2, num_generations=N_GEN,
+                          max_completion_length=6, max_steps=2, optim="sgd", learning_rate=0.5, logging_steps=1,
+                          report_to=[], save_strategy="no", use_cpu=True, bf16=False, seed=0,
+                          temperature=TEMPERATURE, disable_tqdm=True)
+    trainer = VCPOGRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset(),
+                              processing_class=tokenizer, rollout_func=fixed_rollout(stale))
+    recorder = Recorder()
+    trainer.add_callback(recorder)
+    trainer.train()
+    if trainer.accelerator.is_main_process:
+        logs = [{k: v for k, v in h.items() if k.startswith("vcpo/")} for h in trainer.state.log_history
+                if "vcpo/ess_ratio" in h]
+        torch.save({"world": trainer.accelerator.num_processes, "weights": model.state_dict(), "logs": logs,
+                    "advantages": list(trainer._logs["advantages"]), "scaled": recorder.scaled,
+                    "base": recorder.base}, path)
+
+
+def test_two_processes_equal_one(tmp_path):
+    """`accelerate launch --num_processes 2` (gloo on the CPU) against one process on the same generation batches
+    (each 12 rows, 6 per process, a prompt group across the two): the ESS, lr scale, baselines and advantages are the
+    whole batch's on every process and the two SGD updates are the same."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    # --cpu would take accelerate's one-process launcher; torchrun's (--multi_gpu) with use_cpu=True in the training
+    # arguments gives two CPU processes on gloo (accelerate's MULTI_CPU).
+    cmd = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision",
+           "no", "--dynamo_backend", "no", "--main_process_port", "29517", __file__, str(tmp_path / "2.pt")]
+    launched = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    train_processes(tmp_path / "1.pt")  # meanwhile, one process: this one
+    _, stderr = launched.communicate(timeout=600)
+    assert launched.returncode == 0, stderr[-4000:]
+    one, two = (torch.load(tmp_path / f"{world}.pt") for world in (1, 2))
+    assert (one["world"], two["world"]) == (1, 2)
+    assert len(one["logs"]) == len(two["logs"]) == 2 and len(one["scaled"]) == len(two["scaled"]) == 2
+    for a, b in zip(one["logs"], two["logs"]):
+        assert 0.05 < a["vcpo/ess_ratio"] < 0.95  # off-policy: the lr scale is not the trivial 1
+        for key in ("vcpo/ess_ratio", "vcpo/ess", "vcpo/lr_scale", "vcpo/baseline_mean", "vcpo/grad_sq_norm_mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+    assert len(one["advantages"]) == GLOBAL_BATCH
+    torch.testing.assert_close(torch.tensor(two["advantages"]), torch.tensor(one["advantages"]), rtol=1e-5, atol=1e-6)
+    assert two["scaled"] == pytest.approx(one["scaled"], rel=1e-6)
+    start = tiny_model(build_tokenizer()).state_dict()
+    assert any(not torch.equal(start[k], v) for k, v in one["weights"].items())
+    for key, value in one["weights"].items():
+        torch.testing.assert_close(two["weights"][key], value, rtol=1e-5, atol=1e-5)
+
+
+if __name__ == "__main__":  # the training run of test_two_processes_equal_one, under `accelerate launch` or not
+    train_processes(sys.argv[1])

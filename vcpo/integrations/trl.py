@@ -14,6 +14,7 @@ from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
@@ -66,9 +67,10 @@ class _ESSLearningRate(TrainerCallback):
 
 class VCPOGRPOTrainer(GRPOTrainer):
     """`trl.GRPOTrainer` with the VCPO loss: the switch is this class name and `VCPOGRPOConfig(vcpo_config=...)`
-    (a plain `GRPOConfig` gets `VCPOConfig()`'s defaults). One process only; the behaviour policy is vLLM's
-    sampling log-probs when TRL has them, else TRL's `old_per_token_logps`, else the current policy's (on-policy:
-    every weight is 1)."""
+    (a plain `GRPOConfig` gets `VCPOConfig()`'s defaults). The behaviour policy is vLLM's sampling log-probs when
+    TRL has them, else TRL's `old_per_token_logps`, else the current policy's (on-policy: every weight is 1). Under
+    several processes (`accelerate launch`) the ESS, lr scale and baselines are the whole generation batch's, the
+    same on every process (`vcpo.policy_loss`'s `process_group`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -84,9 +86,11 @@ class VCPOGRPOTrainer(GRPOTrainer):
     def _refuse_unsupported(self) -> None:
         a = self.args
         why = []
-        if self.accelerator.num_processes > 1:
-            why.append(f"{self.accelerator.num_processes} processes (one only: the batch's ESS and baselines are "
-                       "formed on one process)")
+        if (self.accelerator.num_processes > 1 and self.vcpo_config.loss_agg_mode == "seq-mean-token-sum-norm"
+                and self.vcpo_config.norm_length is None):
+            why.append(f"{self.accelerator.num_processes} processes with loss_agg_mode='seq-mean-token-sum-norm' and "
+                       "norm_length=None (each process pads its completions to its own length: set norm_length, "
+                       "e.g. to max_completion_length)")
         if a.steps_per_generation % a.gradient_accumulation_steps != 0:
             why.append(f"steps_per_generation={a.steps_per_generation} is not a multiple of "
                        f"gradient_accumulation_steps={a.gradient_accumulation_steps} (an optimizer step must lie "
@@ -120,10 +124,14 @@ class VCPOGRPOTrainer(GRPOTrainer):
         if unscorable.any():
             raise ValueError(f"{int(unscorable.sum())} completions have no reward (every reward function returned "
                              "None): the VCPO baselines need a reward for every sequence")
-        rewards = (per_func * self.reward_weights.to(per_func.device)).nansum(1)
-        b = rewards.shape[0]
-        # TRL's sampler repeats each prompt num_generations times in a row: a group is a run of that many rows.
-        group_index = torch.arange(b, device=rewards.device) // self.num_generations
+        # per_func is gathered over the processes, in process order; this process's rows are its slice.
+        b = out["completion_ids"].shape[0]
+        first = self.accelerator.process_index * b
+        rewards = (per_func[first:first + b] * self.reward_weights.to(per_func.device)).nansum(1)
+        # TRL's sampler repeats each prompt num_generations times in a row over the whole generation batch: a group
+        # is a run of that many rows of it (on several processes, it may span two).
+        group_index = (first + torch.arange(b, device=rewards.device)) // self.num_generations
+        world = self.accelerator.num_processes
         mask = _loss_mask(out)
         logp, grad_sq_norm = self._logps_and_norms(out, mask)
         behavior = out.get("sampling_per_token_logps")
@@ -134,17 +142,21 @@ class VCPOGRPOTrainer(GRPOTrainer):
         else:
             behavior = logp
         result = policy_loss(logp, behavior, config=self.vcpo_config, mask=mask, rewards=rewards,
-                             group_index=group_index, num_groups=b // self.num_generations,
-                             grad_sq_norm=grad_sq_norm)
+                             group_index=group_index, num_groups=world * b // self.num_generations,
+                             grad_sq_norm=grad_sq_norm, process_group=dist.group.WORLD if world > 1 else None)
         out["advantages"] = result.advantages.to(logp.dtype)
-        logged = self._logs["advantages"]  # the completions table shows the advantages trained on
-        for _ in range(min(b, len(logged))):
+        logged = self._logs["advantages"]  # the completions table shows the advantages trained on (all processes')
+        every = self.accelerator.gather(out["advantages"]) if world > 1 else out["advantages"]
+        for _ in range(min(len(every), len(logged))):
             logged.pop()
-        logged.extend(out["advantages"].tolist())
+        logged.extend(every.tolist())
         out["vcpo_behavior_logps"] = behavior
         stats = torch.stack([result.ess_ratio, result.lr_scale, result.ess, result.baseline.mean(),
                              result.is_clip_fraction, grad_sq_norm.mean() if grad_sq_norm is not None
-                             else result.ess.new_ones(())]).double().tolist()  # one host read per batch
+                             else result.ess.new_ones(())]).double()
+        if world > 1:  # the first four are the whole batch's already; the last two: the mean of the processes'
+            stats = self.accelerator.gather(stats[None]).mean(0)
+        stats = stats.tolist()  # one host read per batch
         ess_ratio, lr_scale, ess, baseline_mean, clip_fraction, g_mean = stats
         self._lr.lr_scale = lr_scale if math.isfinite(lr_scale) else 0.0
         for name, value in (("ess_ratio", ess_ratio), ("lr_scale", self._lr.lr_scale), ("ess", ess),
@@ -209,16 +221,18 @@ class VCPOGRPOTrainer(GRPOTrainer):
 
     def _set_shares(self, chunks) -> None:
         """Each chunk's share of its optimizer step's loss: its count (tokens or sequences, by loss_agg_mode)
-        over the count of the gradient_accumulation_steps chunks that step accumulates, so the step's loss is
-        the aggregation over all of them."""
+        over the count of the gradient_accumulation_steps chunks that step accumulates on every process, times
+        the number of processes (DDP averages their gradients), so the step's loss is the aggregation over all
+        of them."""
         mode = self.vcpo_config.loss_agg_mode
-        counts = []
-        for x in chunks:
-            counts.append(float(agg_count(_loss_mask(x).sum(1), mode)))
+        counts = torch.stack([agg_count(_loss_mask(x).sum(1), mode) for x in chunks]).double()
+        world = self.accelerator.num_processes
+        every = self.accelerator.gather(counts[None]).sum(0) if world > 1 else counts  # one collective per batch
+        counts, every = counts.tolist(), every.tolist()
         k = self.args.gradient_accumulation_steps
         for j, x in enumerate(chunks):
-            window = sum(counts[j - j % k: j - j % k + k])
-            x["vcpo_share"] = counts[j] / max(window, 1.0)
+            window = sum(every[j - j % k: j - j % k + k])
+            x["vcpo_share"] = world * counts[j] / max(window, 1.0)
 
     # -- the loss of one chunk -----------------------------------------------------------------------------------
 
