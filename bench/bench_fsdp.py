@@ -9,6 +9,10 @@ prompt groups of 4; each rank gets whole groups. Each case runs in processes of 
 
     python bench/bench_fsdp.py --model tiny --rounds 3
     python bench/bench_fsdp.py --model 100m --rounds 2
+    python bench/bench_fsdp.py --model tiny --rounds 1 --bf16   # the ranks with bf16 mixed precision
+
+`--bf16`: the ranks shard with MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) (fp32 shards and
+optimizer), against the fp32 process: the parameter difference is then that of mixed precision.
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ def status_mib(field: str) -> float:
         return next(int(line.split()[1]) / 1024 for line in f if line.startswith(field + ":"))
 
 
-def run(rank: int, world: int, init: str, name: str, options: dict, rounds: int, out: str) -> None:
+def run(rank: int, world: int, init: str, name: str, options: dict, rounds: int, out: str, bf16: bool) -> None:
     """One process: (1 process) the whole batch, or (a rank of `world`) its share on the sharded model."""
     import gc
 
@@ -81,13 +85,15 @@ def run(rank: int, world: int, init: str, name: str, options: dict, rounds: int,
     group = None
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
         mesh = init_device_mesh("cpu", (world,))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
+            MixedPrecisionPolicy()
         for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
         batch, group = share(batch, rank, world), dist.group.WORLD
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     config = vcpo.VCPOConfig(**options)
@@ -116,6 +122,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=list(MODELS), default="tiny")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--bf16", action="store_true", help="the FSDP2 ranks with bf16 mixed precision")
     args = parser.parse_args()
     hidden, inter, layers, heads, vocab, b, t = MODELS[args.model]
     rows = []
@@ -124,12 +131,14 @@ def main() -> None:
         for world in (1, 2):
             with tempfile.TemporaryDirectory() as tmp:
                 out = os.path.join(tmp, "rank0.pt")
-                mp.spawn(run, args=(world, f"file://{tmp}/init", args.model, options, args.rounds, out), nprocs=world)
+                mp.spawn(run, args=(world, f"file://{tmp}/init", args.model, options, args.rounds, out, args.bf16),
+                         nprocs=world)
                 results.append(torch.load(out))
         one, two = results
         diff = max((two["first"][k] - v).abs().max().item() for k, v in one["first"].items())
         rows.append((config, one, two, diff))
-    print(f"| {args.model} Llama, step (B={b} x T={t}, {args.rounds} rounds, medians) | 1 process, 1 core | "
+    kind = f"{args.model} Llama" + (", ranks in bf16 mixed precision" if args.bf16 else "")
+    print(f"| {kind}, step (B={b} x T={t}, {args.rounds} rounds, medians) | 1 process, 1 core | "
           "2 FSDP2 ranks, 1 core each | speed-up | max abs param difference after one step | peak RSS in the first "
           "step: 1 process / FSDP2 rank 0 (resident before it) |")
     print("|---|---|---|---|---|---|")

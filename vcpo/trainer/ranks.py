@@ -146,21 +146,19 @@ def launch_ranks(count: int, argv: list) -> None:
 
 
 # -- FSDP2 (`--fsdp`; docs/scale.md, "FSDP2") -------------------------------------------------------------------------
-def shard(model: torch.nn.Module, ranks: TrainerRanks, param_dtype: Optional[torch.dtype] = None) -> None:
-    """FSDP2 over the trainer ranks' 1-D mesh: each decoder layer (the classes a Hugging Face model lists in
-    `_no_split_modules`) is one unit, all-gathered for its forward and backward, then the rest of the model (the
-    embeddings, final norm and LM head, a tied head with its embedding). `param_dtype` (e.g. bfloat16): the
-    all-gathered weights' dtype, gradients reduced in float32 and the shards and optimizer kept in theirs."""
+def shard(model: torch.nn.Module, ranks: TrainerRanks) -> None:
+    """FSDP2 over the trainer ranks' 1-D mesh, in fp32: each decoder layer (the classes a Hugging Face model lists
+    in `_no_split_modules`) is one unit, all-gathered for its forward and backward, then the rest of the model (the
+    embeddings, final norm and LM head, a tied head with its embedding)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(ranks.device.type, (ranks.world,))
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     units = set(getattr(model, "_no_split_modules", None) or ())
     for module in model.modules():
         if type(module).__name__ in units:
-            fully_shard(module, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
 
 
 def _full():
@@ -179,7 +177,8 @@ def full_weights(model: torch.nn.Module, ranks: TrainerRanks) -> Optional[dict]:
     return weights if ranks.main else None
 
 
-def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ranks: TrainerRanks) -> Optional[dict]:
+def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                         ranks: TrainerRanks) -> Optional[dict]:
     """Every rank: the sharded optimizer's state gathered to rank 0 in torch.optim's own layout (parameters by
     their index in model.parameters()), which a run without FSDP loads as it is; None on the other ranks."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
