@@ -181,3 +181,15 @@ def test_vcpo_train_with_fsdp_takes_the_steps_of_one_rank_and_resumes_without_it
         for key in COMPARED:
             assert row[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (row["step"], key)
     assert json.load(open(run / "config.json"))["settings"]["fsdp"] is True
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"fsdp": True}, "it needs trainer_ranks >= 2"),
+    ({"fsdp": True, "trainer_ranks": 2, "vcpo": {"fused_lm_head": True}}, "use fused_lm_head false"),
+    ({"fsdp": "yes", "trainer_ranks": 2}, "fsdp must be true or false"),
+])
+def test_fsdp_settings_are_checked(settings, message):
+    from vcpo.trainer.config import make_config
+
+    with pytest.raises(ValueError, match=message):
+        make_config(**settings).validate()
