@@ -1,6 +1,7 @@
 """Sampling settings (docs/trainer.md, "Sampling settings"). At each allowed temperature, right after a weight sync,
 the engine's behaviour log-probs of the sampled tokens and the trainer's (vcpo.step's own forward, with the plain
-and the fused LM head) agree to 1e-4: an in-process engine, and a server of the pool started by LocalServers.
+and the fused LM head) agree to 1e-4: an in-process engine, and a server of the pool started by LocalServers;
+the whole vcpo.step at a temperature against a float64 loop, and a `vcpo train --temperature` run on-policy at k = 0.
 top_p < 1 and top_k > 0 are refused, and so is a running server whose log-probs come before the temperature."""
 
 import asyncio
@@ -240,3 +241,30 @@ def test_server_engine_and_trainer_agree_after_a_sync(tmp_path):
             pool.close()
         servers.stop()
     check_gaps(results)
+
+
+def test_a_run_at_a_temperature_is_on_policy_at_k0(tmp_path):
+    """`vcpo train --temperature 0.6 --max-staleness 0` on a random model: each batch is sampled with the weights
+    the trainer then steps from, so the engine's log-probs and the trainer's (its step at 0.6) agree: every step's
+    k3 KL is ~0 and its importance weights 1 (with the log-probs before the temperature, the tokens' log-probs
+    differ by about 1: test_inprocess_engine_and_trainer_agree_after_a_sync)."""
+    pytest.importorskip("vllm")
+    tok, _, model = stale_and_new_model()
+    model.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"<s>{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in range(12)))
+    folder = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "vcpo.cli", "train", "--model", str(tmp_path / "model"), "--data", str(data),
+         "--engine", "inprocess", "--temperature", "0.6", "--max-staleness", "0", "--steps", "3",
+         "--prompts-per-step", "2", "--responses-per-prompt", "4", "--max-new-tokens", "8", "--eval-size", "2",
+         "--lr", "1e-3", "--output-dir", str(folder), "--no-progress"],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    rows = [json.loads(line) for line in open(folder / "metrics.jsonl") if "kl_k3" in line]
+    assert [r["lag"] for r in rows] == [0, 0, 0]
+    for r in rows:
+        assert abs(r["kl_k3"]) < 1e-7 and abs(r["mean_is_coef"] - 1) < 1e-4 and r["ess_ratio"] > 1 - 1e-6, r
+    config = json.load(open(folder / "config.json"))
+    assert config["settings"]["temperature"] == 0.6 and config["vcpo"]["temperature"] == 0.6
