@@ -17,6 +17,9 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
+from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+import vcpo_kernels
 
 from ..config import VCPOConfig
 from ..distributed import agg_count
@@ -25,7 +28,7 @@ from ..loss import policy_loss
 from ..lr import scale_lr
 from ..step import token_logp
 
-__all__ = ["VCPOGRPOConfig", "VCPOGRPOTrainer"]
+__all__ = ["VCPOAsyncGRPOConfig", "VCPOAsyncGRPOTrainer", "VCPOGRPOConfig", "VCPOGRPOTrainer"]
 
 
 @dataclass
@@ -247,3 +250,154 @@ class VCPOGRPOTrainer(GRPOTrainer):
                           advantages=inputs["advantages"].to(logp.dtype))
         self._metrics["train"]["policy_loss"].append(out.loss.item())
         return out.loss * inputs["vcpo_share"]
+
+
+# -- trl.experimental.async_grpo ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class VCPOAsyncGRPOConfig(AsyncGRPOConfig):
+    """`AsyncGRPOConfig` plus `vcpo_config` (as `VCPOGRPOConfig`; `grad_norms` must be "length" or "uniform")."""
+
+    vcpo_config: VCPOConfig = field(default_factory=lambda: VCPOConfig(grad_norms="length"))
+
+    def to_dict(self):
+        d = super().to_dict()
+        d["vcpo_config"] = dataclasses.asdict(self.vcpo_config)
+        return d
+
+
+class _StepESS(TrainerCallback):
+    """The ESS of one optimizer step's sequences (all its micro-batches): `compute_loss` adds each micro-batch's
+    log weights and lengths; the step runs with every param group's lr times the resulting scale, restored after."""
+
+    def __init__(self, trainer: "VCPOAsyncGRPOTrainer") -> None:
+        self.trainer = trainer
+        self.log_weights, self.lengths = [], []
+        self._scaled = None
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        config = self.trainer.vcpo_config
+        ess = vcpo_kernels.effective_sample_size(
+            torch.cat(self.log_weights), seq_length=torch.cat(self.lengths), ess_base_ratio=config.ess_base_ratio,
+            lr_rule=config.lr_rule, is_threshold=config.is_threshold if config.ess_on_corrected else None)
+        self.log_weights, self.lengths = [], []
+        ess_value, ratio, scale = torch.stack([ess.ess, ess.ess_ratio, ess.lr_scale]).double().tolist()
+        scale = scale if math.isfinite(scale) else 0.0
+        metrics = self.trainer._metrics["train"]
+        for name, value in (("ess", ess_value), ("ess_ratio", ratio), ("lr_scale", scale)):
+            metrics[f"vcpo/{name}"].append(value)
+        self._scaled = ExitStack()
+        self._scaled.enter_context(scale_lr(optimizer, scale))
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if self._scaled is not None:
+            self._scaled.close()
+            self._scaled = None
+
+
+class _WithGroups:
+    """TRL's rollout collator, plus each packed sample's reward and prompt group (the loss's OPOB inputs), per row:
+    `vcpo_rewards` and `vcpo_group_id`, [rows, most samples in a row], padded with NaN and -1."""
+
+    def __init__(self, collator) -> None:
+        self.collator = collator
+
+    def __call__(self, examples):
+        batch = self.collator(examples)
+        (rows,) = examples
+        width = max(len(row.samples) for row in rows)
+        rewards = torch.full((len(rows), width), float("nan"), dtype=torch.float64)
+        groups = torch.full((len(rows), width), -1, dtype=torch.long)
+        for r, row in enumerate(rows):
+            for i, sample in enumerate(row.samples):
+                rewards[r, i] = sample["metrics"]["reward"]
+                groups[r, i] = sample["group_id"]
+        batch["vcpo_rewards"], batch["vcpo_group_id"] = rewards, groups
+        return batch
+
+
+class VCPOAsyncGRPOTrainer(AsyncGRPOTrainer):
+    """`trl.experimental.async_grpo.AsyncGRPOTrainer` with the VCPO loss: the switch is this class name and
+    `VCPOAsyncGRPOConfig(vcpo_config=...)`. Each micro-batch's loss is `vcpo.policy_loss` in bypass mode (the
+    behaviour policy is the sample's `old_log_probs`, the generator's), with OPOB (or GRPO) advantages over the prompt
+    groups of the micro-batch, which must hold its groups whole; each optimizer step runs at the lr scale of the ESS
+    of all its micro-batches' sequences. One process; G_i is the length or 1 (no norm pass over packed tree rows)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.vcpo_config = getattr(self.args, "vcpo_config", None) or VCPOConfig(grad_norms="length")
+        if not isinstance(self.vcpo_config, VCPOConfig):
+            raise ValueError(f"vcpo_config must be a vcpo.VCPOConfig, got {type(self.vcpo_config).__name__}")
+        why = []
+        if self.accelerator.num_processes > 1:
+            why.append(f"{self.accelerator.num_processes} processes (each rank's packed row holds a different number "
+                       "of sequences, which the ESS and baselines over all ranks do not take)")
+        if self.vcpo_config.grad_norms not in ("length", "uniform"):
+            why.append(f"grad_norms={self.vcpo_config.grad_norms!r} (no per-sequence norm pass over packed tree "
+                       "rows: use 'length' or 'uniform')")
+        if self.vcpo_config.advantage == "opob" and self.vcpo_config.opob_scope == "batch":
+            why.append("opob_scope='batch' (a micro-batch is not the batch)")
+        if self.aux_loss_enabled:
+            why.append("the MoE router auxiliary loss")
+        if why:
+            raise ValueError("VCPOAsyncGRPOTrainer does not support " + "; ".join(why))
+        self._ess = _StepESS(self)
+        self.add_callback(self._ess)
+
+    def get_train_dataloader(self):
+        loader = super().get_train_dataloader()
+        inner = getattr(loader, "base_dataloader", loader)  # accelerate's wrapper iterates the DataLoader it wraps
+        inner.collate_fn = _WithGroups(inner.collate_fn)
+        return loader
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        logp, behavior, mask, rewards, groups = self._packed_sequences(model, inputs)
+        # Prompt groups: the micro-batch's own (renumbered), each with every one of its samples.
+        ids, group_index, sizes = torch.unique(groups, return_inverse=True, return_counts=True)
+        split = sizes < self.args.num_generations
+        if self.vcpo_config.advantage in ("opob", "grpo") and split.any():
+            raise ValueError(f"prompt groups {ids[split].tolist()} have only {sizes[split].tolist()} of their "
+                             f"{self.args.num_generations} samples in this micro-batch: their baselines would be "
+                             "formed over part of the group (set token_budget=0 and per_device_train_batch_size to a "
+                             "multiple of num_generations)")
+        lengths = mask.sum(1)
+        result = policy_loss(logp, behavior, config=self.vcpo_config, mask=mask, rewards=rewards.to(logp.dtype),
+                             group_index=group_index, num_groups=len(ids),
+                             grad_sq_norm=lengths.to(logp.dtype) if self.vcpo_config.grad_norms == "length" else None)
+        stats = vcpo_kernels.sequence_stats(logp.detach(), behavior, mask=mask)
+        self._ess.log_weights.append(stats.seq_log_weight.detach().double())
+        self._ess.lengths.append(stats.seq_length.double())
+        metrics = self._metrics["train"]
+        for name, value in (("policy_loss", result.loss), ("vcpo/micro_batch_ess_ratio", result.ess_ratio),
+                            ("vcpo/baseline_mean", result.baseline.mean()),
+                            ("vcpo/is_clip_fraction", result.is_clip_fraction)):
+            metrics[name].append(float(value))
+        # Each micro-batch's aggregate, averaged over the step's micro-batches (TRL's own accumulation).
+        return result.loss / self.current_gradient_accumulation_steps
+
+    def _packed_sequences(self, model, inputs):
+        """The tree-packed row's forward (TRL's fused head: log-probs at the sampling temperature) laid out as
+        [samples, longest trained length]: current and behaviour log-probs, the mask, each sample's reward and group."""
+        row = inputs["attention_mask"].bool()
+        trained = inputs["token_index"] >= 0
+        tree = {key: inputs[key][inputs[key] >= 0] for key in ("tree_kv_index", "tree_cu_seqlens_q",
+                                                               "tree_cu_seqlens_k")}
+        tree["tree_max_seqlen_q"], tree["tree_max_seqlen_k"] = inputs["tree_max_seqlens"][0].tolist()
+        outputs = model(input_ids=inputs["input_ids"][row][None], position_ids=inputs["position_ids"][row][None],
+                        shift_labels=inputs["shift_labels"][row][None], fused_lm_head=True, **tree)
+        token_logp = outputs.log_probs.flatten()[inputs["token_index"][trained]]
+        segment = inputs["segment_id"][trained]  # the sample of each trained token, non-decreasing
+        rewards, groups = inputs["vcpo_rewards"][0], inputs["vcpo_group_id"][0]
+        num_samples = int((groups >= 0).sum())
+        counts = torch.bincount(segment, minlength=num_samples)
+        starts = torch.cumsum(counts, 0) - counts
+        position = torch.arange(len(segment), device=segment.device) - starts[segment]
+        width = max(int(counts.max()), 1)
+        shape = (num_samples, width)
+        logp = token_logp.new_zeros(shape).index_put((segment, position), token_logp)
+        behavior = token_logp.new_zeros(shape).index_put((segment, position),
+                                                          inputs["old_log_probs"][trained].to(token_logp.dtype))
+        mask = torch.zeros(shape, dtype=torch.bool, device=segment.device).index_put(
+            (segment, position), torch.ones_like(segment, dtype=torch.bool))
+        return logp, behavior, mask, rewards[:num_samples], groups[:num_samples]
