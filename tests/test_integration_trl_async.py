@@ -143,6 +143,15 @@ def make_samples(tokenizer, behaviour, num_groups, seed=0):
     return samples
 
 
+def micro_batch(tokenizer, samples, size):
+    """The first micro-batch of `size` samples through TRL's batcher and collator (and VCPO's groups), as
+    RolloutQueueDataset yields the samples."""
+    source = iter({"input_ids": s.input_ids, "completion_mask": s.completion_mask, "old_log_probs": s.old_log_probs,
+                   "advantage": s.advantage, "group_id": s.group_id, "metrics": s.metrics} for s in samples)
+    rows = next(iter(FixedCountBatcher(source, num_processes=1, microbatch_size=size)))
+    return _WithGroups(DataCollatorForRollout(tokenizer.pad_token_id))([rows])
+
+
 def perturbed(model, scale=4.0):
     torch.manual_seed(1)
     copy_ = type(model)(model.config)
@@ -269,10 +278,7 @@ def test_on_policy_gradient_equals_async_grpo_trainer(tokenizer, model_dir):
     for cls in (AsyncGRPOTrainer, VCPOAsyncGRPOTrainer):
         trainer = make(cls, path, tokenizer, samples, vcpo_config=off, gradient_accumulation_steps=1, epsilon=1e6)
         trainer.current_gradient_accumulation_steps = 1  # set by the training loop, which this test skips
-        source = iter({"input_ids": s.input_ids, "completion_mask": s.completion_mask, "old_log_probs": s.old_log_probs,
-                       "advantage": s.advantage, "group_id": s.group_id, "metrics": s.metrics} for s in samples)
-        (rows,) = FixedCountBatcher(source, num_processes=1, microbatch_size=2 * N_GEN)
-        batch = _WithGroups(DataCollatorForRollout(tokenizer.pad_token_id))([rows])
+        batch = micro_batch(tokenizer, samples, 2 * N_GEN)
         trainer.model.zero_grad()
         trainer.compute_loss(trainer.model, batch).backward()
         grads.append([p.grad.clone() for p in trainer.model.parameters()])
@@ -290,14 +296,16 @@ def test_unsupported_options_are_refused(tokenizer, model_dir, overrides, words)
         make(VCPOAsyncGRPOTrainer, model_dir[0], tokenizer, [], **overrides)
 
 
-def test_split_group_is_refused(tokenizer, model_dir):
-    """A micro-batch that holds part of a prompt group (6 samples: one group and half of the next)."""
+@pytest.mark.parametrize("microbatch_size, unscorable, words", [
+    (N_GEN + 2, False, r"prompt groups \[1\] have only \[2\]"),  # one group and half of the next
+    (2 * N_GEN, True, "1 samples have no reward"),
+])
+def test_split_group_and_unscorable_sample_are_refused(tokenizer, model_dir, microbatch_size, unscorable, words):
     path, model = model_dir
     samples = make_samples(tokenizer, model, num_groups=2)
+    if unscorable:
+        samples[3].metrics["reward"] = float("nan")  # how TRL's worker marks a sample no reward function scored
     trainer = make(VCPOAsyncGRPOTrainer, path, tokenizer, samples)
-    source = iter({"input_ids": s.input_ids, "completion_mask": s.completion_mask, "old_log_probs": s.old_log_probs,
-                   "advantage": s.advantage, "group_id": s.group_id, "metrics": s.metrics} for s in samples)
-    (rows,) = FixedCountBatcher(source, num_processes=1, microbatch_size=N_GEN + 2)
-    batch = _WithGroups(DataCollatorForRollout(tokenizer.pad_token_id))([rows])
-    with pytest.raises(ValueError, match=r"prompt groups \[1\] have only \[2\]"):
+    batch = micro_batch(tokenizer, samples, microbatch_size)
+    with pytest.raises(ValueError, match=words):
         trainer.compute_loss(trainer.model, batch)

@@ -255,11 +255,15 @@ class VCPOGRPOTrainer(GRPOTrainer):
 # -- trl.experimental.async_grpo ---------------------------------------------------------------------------------------
 
 
+def _async_defaults() -> VCPOConfig:
+    return VCPOConfig(grad_norms="length")  # no norm pass over packed tree rows
+
+
 @dataclass
 class VCPOAsyncGRPOConfig(AsyncGRPOConfig):
     """`AsyncGRPOConfig` plus `vcpo_config` (as `VCPOGRPOConfig`; `grad_norms` must be "length" or "uniform")."""
 
-    vcpo_config: VCPOConfig = field(default_factory=lambda: VCPOConfig(grad_norms="length"))
+    vcpo_config: VCPOConfig = field(default_factory=_async_defaults)
 
     def to_dict(self):
         d = super().to_dict()
@@ -326,7 +330,7 @@ class VCPOAsyncGRPOTrainer(AsyncGRPOTrainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.vcpo_config = getattr(self.args, "vcpo_config", None) or VCPOConfig(grad_norms="length")
+        self.vcpo_config = getattr(self.args, "vcpo_config", None) or _async_defaults()
         if not isinstance(self.vcpo_config, VCPOConfig):
             raise ValueError(f"vcpo_config must be a vcpo.VCPOConfig, got {type(self.vcpo_config).__name__}")
         why = []
@@ -353,6 +357,9 @@ class VCPOAsyncGRPOTrainer(AsyncGRPOTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         logp, behavior, mask, rewards, groups = self._packed_sequences(model, inputs)
+        if torch.isnan(rewards).any():
+            raise ValueError(f"{int(torch.isnan(rewards).sum())} samples have no reward (every reward function "
+                             "returned None): the VCPO baselines need a reward for every sequence")
         # Prompt groups: the micro-batch's own (renumbered), each with every one of its samples.
         ids, group_index, sizes = torch.unique(groups, return_inverse=True, return_counts=True)
         split = sizes < self.args.num_generations
