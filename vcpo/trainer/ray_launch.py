@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
+import socket
 import sys
 import time
 from typing import Optional
@@ -126,19 +127,25 @@ class RayServers:
             self.actors = []
 
 
-def _connect(cfg: TrainConfig, bundles: int) -> bool:
+def _connect(cfg: TrainConfig, bundles: int) -> None:
     """ray.init at cfg.ray (an address) or, for LOCAL, a new local cluster with at least one logical CPU per bundle
-    (the ranks and servers then share the cores). True when this process started the cluster."""
+    (the ranks and servers then share the cores), which ray.shutdown() ends."""
     import ray
 
     if cfg.ray in LOCAL:
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, bundles), include_dashboard=False)
-        return True
+        return
+    host, _, port = cfg.ray.removeprefix("ray://").rpartition(":")
+    if host and port.isdigit():  # ray.init waits minutes for an address where nothing listens
+        try:
+            socket.create_connection((host, int(port)), timeout=10).close()
+        except OSError as e:
+            raise ValueError(f"ray: nothing answers at {cfg.ray!r} ({e}): give a running Ray cluster's address "
+                             "(ray start --head prints it), auto, or no address for a local cluster") from None
     try:
         ray.init(address=cfg.ray)
     except (ConnectionError, ValueError, RuntimeError) as e:
         raise ValueError(f"ray: cannot connect to the Ray cluster at {cfg.ray!r}: {e}") from None
-    return False
 
 
 def train_on_ray(cfg: TrainConfig, resume: bool, log=print) -> Optional[dict]:
@@ -149,7 +156,7 @@ def train_on_ray(cfg: TrainConfig, resume: bool, log=print) -> Optional[dict]:
     from ray.util.placement_group import placement_group, remove_placement_group
 
     servers = local_server_count(cfg)
-    started = _connect(cfg, cfg.trainer_ranks + servers)
+    _connect(cfg, cfg.trainer_ranks + servers)
     pg, actors = None, []
     previous = signal.signal(signal.SIGTERM, _as_interrupt)
     try:
@@ -174,8 +181,7 @@ def train_on_ray(cfg: TrainConfig, resume: bool, log=print) -> Optional[dict]:
             ray.kill(a)
         if pg is not None:
             remove_placement_group(pg)  # and so the server actors rank 0 placed in it
-        if started:
-            ray.shutdown()
+        ray.shutdown()  # a local cluster ends; from another one this process disconnects
 
 
 def _wait(runs: dict, places: list, cfg: TrainConfig) -> Optional[dict]:
@@ -216,18 +222,20 @@ def _wait(runs: dict, places: list, cfg: TrainConfig) -> Optional[dict]:
         ip, _, pid = places[rank]
         raise TrainerRankDied(f"trainer rank {rank} (Ray actor, pid {pid} on {ip}) died: {_first_line(e)}\nThe run "
                               f"is stopped; continue from its last checkpoint with `vcpo train --resume "
-                              f"{cfg.output_dir or '<the run folder>'} --ray ...`")
+                              f"{cfg.output_dir or '<the run folder>'}` (on Ray again: the run's settings)")
     rank, e = failed[0]
     print(f"trainer rank {rank} failed:\n{e}", file=sys.stderr)
     raise e.cause if isinstance(e.cause, Exception) else e
 
 
 def _signal_rank0(place: tuple[str, str, int]) -> None:
-    """SIGTERM to rank 0's process, from a task on its node (the driver may be on another machine)."""
+    """SIGTERM to rank 0's process: from here on its node, else from a task on its node."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     _, node, pid = place
+    if node == ray.get_runtime_context().get_node_id():
+        return _kill(pid, signal.SIGTERM)
     kill = ray.remote(num_cpus=0)(_kill)
     ray.get(kill.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
         pid, signal.SIGTERM))
