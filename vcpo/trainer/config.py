@@ -208,7 +208,7 @@ class TrainConfig:
         from .lora import check_settings
 
         check_settings(self.lora_rank, self.lora_alpha, self.lora_targets, engine=self.engine, fsdp=self.fsdp,
-                       trainer_ranks=self.trainer_ranks)
+                       trainer_ranks=self.trainer_ranks, fused_lm_head=self.vcpo_config().fused_lm_head)
         parse_report_to(self.report_to)
         self.vcpo_config()
         return self
