@@ -96,6 +96,7 @@ def test_step_updates_only_the_adapter():
     ({"lora_rank": 8, "lora_targets": " ,"}, "lora_targets must be all-linear or module names"),
     ({"lora_rank": 8, "engine": "server", "engine_urls": "http://127.0.0.1:8000"}, "not server"),
     ({"lora_rank": 8, "trainer_ranks": 2, "engine": "process"}, "one trainer rank"),
+    ({"lora_rank": 8, "vcpo": {"fused_lm_head": True}}, "fused_lm_head false"),
 ])
 def test_bad_lora_settings_are_refused(bad, match):
     with pytest.raises(ValueError, match=match):

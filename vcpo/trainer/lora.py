@@ -96,7 +96,7 @@ def read_adapter_config(adapter: str) -> dict:
 
 
 def check_settings(rank: Optional[int], alpha: Optional[float], target_spec: str, *, engine: str, fsdp: bool,
-                   trainer_ranks: int) -> None:
+                   trainer_ranks: int, fused_lm_head: bool) -> None:
     """TrainConfig.validate's LoRA part."""
     if rank is None:
         if alpha is not None or target_spec != "all-linear":
@@ -116,3 +116,6 @@ def check_settings(rank: Optional[int], alpha: Optional[float], target_spec: str
                          "pool's weight sync sends full weights)")
     if fsdp or trainer_ranks > 1:
         raise ValueError("lora_rank: LoRA runs with one trainer rank (trainer_ranks 1, no fsdp)")
+    if fused_lm_head:
+        raise ValueError("lora_rank: fused_lm_head differentiates the LM head's weight, which LoRA freezes; use "
+                         "fused_lm_head false")
