@@ -11,6 +11,7 @@ placement group removed (which also ends the server actors) and a local cluster 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import socket
@@ -85,13 +86,12 @@ class RayServers:
     placement group this actor runs in (the run's last `count` bundles)."""
 
     def __init__(self, model: str, count: int, *, log_dir: str, log=print, cores=None, gpus=None, **settings) -> None:
+        del cores, gpus  # LocalServers' placement: here each server's bundle places it
         self.model, self.count, self.log_dir, self.settings, self.log = model, count, log_dir, settings, log
         self.actors: list = []
         self.urls: list[str] = []
 
     def start(self, timeout: float = 900.0) -> list[str]:
-        import json
-
         import ray
 
         pg = ray.util.get_current_placement_group()
