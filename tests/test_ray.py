@@ -111,7 +111,7 @@ def _killed_then_resumed(folder, env, tmp_path, runs):
     os.kill(pid, signal.SIGKILL)
     assert first.finish() == 1, first.output()[-6000:]
     assert re.search(rf"vcpo train: error: trainer rank 1 \(Ray actor, pid {pid} on [\d.]+\) died", first.output())
-    assert f"continue from its last checkpoint with `vcpo train --resume {folder}`" in first.output()
+    assert f"its last checkpoint with `vcpo train --resume {folder}`" in first.output()
     first.assert_nothing_left()
     done = int(sorted(os.listdir(folder / "checkpoints"))[-1].split("-")[1])
 
