@@ -115,7 +115,7 @@ def _killed_then_resumed(folder, env, tmp_path, runs):
     first.assert_nothing_left()
     done = int(sorted(os.listdir(folder / "checkpoints"))[-1].split("-")[1])
 
-    # resumed (on Ray: the run's setting) with one vLLM server (a Ray actor on the placement group's last bundle), then a SIGTERM
+    # resumed (on Ray: the run's setting) with one vLLM server (an actor on the group's last bundle), then SIGTERM
     second = Run(["--resume", str(folder), "--engine", "server", "--engine-servers", "1", "--no-progress"],
                  env, tmp_path / "second.log")
     runs.append(second)
