@@ -178,8 +178,9 @@ def lora_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lora")
     env = {**os.environ, "VCPO_CACHE": str(tmp / "cache"), "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": f"{tmp}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    code = "import sys\nfrom vcpo.trainer import tiny\ntok = tiny.build_tokenizer()\n" \
-           "tiny.build_model(tiny.TinyRecipe(), len(tok)).save_pretrained(sys.argv[1])\ntok.save_pretrained(sys.argv[1])"
+    code = ("import sys\nfrom vcpo.trainer import tiny\ntok = tiny.build_tokenizer()\n"
+            "tiny.build_model(tiny.TinyRecipe(), len(tok)).save_pretrained(sys.argv[1])\n"
+            "tok.save_pretrained(sys.argv[1])")
     model = tmp / "model"
     subprocess.run([sys.executable, "-c", code, str(model)], check=True, env=env, timeout=300)
     data = tmp / "data.jsonl"
