@@ -2,10 +2,12 @@
 CPU: its training loop, rollout queue, batcher, tree packing, collator, fused log-prob head and callbacks, with two
 stand-ins for what needs a GPU or a vLLM server: an in-process rollout worker (TRL's `rollout_worker` protocol) that
 queues fixed scored samples, a varlen causal attention in torch for the FlashAttention-3 hub kernel that TRL's tree
-attention calls, and a constant for the CUDA peak FLOPs of TRL's MFU metric. Checked against float64 references on the unpacked samples, and against TRL's own loss."""
+attention calls, and a constant for the CUDA peak FLOPs of TRL's MFU metric. Checked against float64 references on the unpacked samples, and against TRL's own loss. One opt-in test
+(VCPO_TEST_VLLM_SERVER=1) runs TRL's own rollout worker against a CPU vLLM server instead."""
 
 import copy
 import math
+import os
 import queue
 
 import numpy as np
@@ -309,3 +311,96 @@ def test_split_group_and_unscorable_sample_are_refused(tokenizer, model_dir, mic
     batch = micro_batch(tokenizer, samples, microbatch_size)
     with pytest.raises(ValueError, match=words):
         trainer.compute_loss(trainer.model, batch)
+
+
+def reward(completions, completion_ids, **kwargs):
+    """The toy reward, at module level: TRL's rollout worker pickles it into its child process."""
+    return [float(sum(1 for t in ids if t % 3 == 0)) for ids in completion_ids]
+
+
+class ReloadOverHttp:
+    """TRL's weight-transfer protocol over vLLM's /collective_rpc reload_weights (its own is NCCL only)."""
+
+    def __init__(self, url, folder):
+        self.url, self.folder = url, folder
+
+    def init_weight_transfer(self):
+        pass
+
+    def pause(self):
+        pass
+
+    def send_weights(self, iterator):
+        import httpx
+        from safetensors.torch import save_file
+
+        save_file({k: v.detach().contiguous() for k, v in iterator}, f"{self.folder}/model.safetensors")
+        httpx.post(f"{self.url}/collective_rpc", json={"method": "reload_weights", "kwargs": {
+            "weights_path": self.folder}}, timeout=60).raise_for_status()
+
+    def resume(self):
+        pass
+
+    def destroy(self):
+        pass
+
+
+@pytest.mark.skipif(os.environ.get("VCPO_TEST_VLLM_SERVER") != "1",
+                    reason="about 2.5 minutes (a vLLM server): set VCPO_TEST_VLLM_SERVER=1")
+def test_real_rollout_worker_and_vllm_server(tokenizer, tmp_path, monkeypatch):
+    """TRL's own AsyncRolloutWorker (a child process) sampling from a CPU vLLM server (`vcpo serve`), with the weights
+    reloaded into the server after every step: the first step is on-policy (vLLM's log-probs are the trainer's, ESS 1),
+    later ones train on samples one policy version old (ESS below 1), every micro-batch's loss equals the float64
+    reference on its samples, and each step runs at the lr scale of its ESS."""
+    from vcpo.trainer.servers import LocalServers
+
+    tok = copy.copy(tokenizer)  # a conversational template and its response parser, which TRL's worker needs
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tok.response_template = {"defaults": {"role": "assistant"}, "start_anchor_pattern": "^",
+                             "fields": {"content": {"content": "text"}}}
+    model = build_model(TinyRecipe(hidden_size=64, num_heads=2, intermediate_size=128, num_layers=1), len(tok))
+    model.save_pretrained(tmp_path / "model")  # vLLM's CPU attention needs head_dim >= 32
+    tok.save_pretrained(tmp_path / "model")
+    (tmp_path / "sync").mkdir()
+    servers = LocalServers(str(tmp_path / "model"), 1, log_dir=str(tmp_path / "logs"), dtype="float32",
+                           max_model_len=64, kv_cache_gib=1, seed=0)
+    url = servers.start()[0]
+    rows, calls = [], []
+    collate = _WithGroups.__call__
+    monkeypatch.setattr(_WithGroups, "__call__", lambda self, examples: rows.append(examples[0][0].samples)
+                        or collate(self, examples))
+    try:
+        args = VCPOAsyncGRPOConfig(
+            output_dir=str(tmp_path / "out"), per_device_train_batch_size=2 * N_GEN, num_generations=N_GEN,
+            gradient_accumulation_steps=2, max_steps=3, learning_rate=0.5, optim="sgd", token_budget=0,
+            max_completion_length=8, temperature=TEMPERATURE, max_staleness=1, logging_steps=1, report_to=[],
+            save_strategy="no", use_cpu=True, bf16=False, seed=0, disable_tqdm=True, vllm_server_base_url=url)
+        data = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in PROMPTS * 4]})
+        trainer = VCPOAsyncGRPOTrainer(model=str(tmp_path / "model"), reward_funcs=reward, args=args,
+                                       train_dataset=data, processing_class=tok,
+                                       weight_transfer=ReloadOverHttp(url, str(tmp_path / "sync")))
+        lr = StepLr()
+        trainer.add_callback(lr)
+        compute_loss = trainer.compute_loss
+
+        def recorded(model, inputs, **kw):
+            policy = snapshot(trainer.accelerator.unwrap_model(model))
+            loss = compute_loss(model, inputs, **kw)
+            calls.append((float(loss), policy))
+            return loss
+
+        trainer.compute_loss = recorded
+        trainer.train()
+    finally:
+        servers.stop()
+    logs = [h for h in trainer.state.log_history if "vcpo/lr_scale" in h]
+    assert len(logs) == 3 and len(lr.scaled) == 3
+    assert logs[0]["vcpo/ess_ratio"] == pytest.approx(1.0, abs=1e-4)  # vLLM's log-probs of the synced weights
+    assert logs[-1]["sample/staleness_mean"] >= 1 and logs[-1]["vcpo/ess_ratio"] < 0.99
+    for log, scaled, base, after in zip(logs, lr.scaled, lr.base, lr.after):
+        assert scaled == pytest.approx(base * math.sqrt(min(1.0, log["vcpo/ess_ratio"])), rel=1e-6) and after == base
+    assert len(calls) == 6
+    for (loss, policy), micro_batch in zip(calls, rows):
+        assert len({s["group_id"] for s in micro_batch}) == 2  # whole groups from TRL's own batcher
+        res, _ = reference(policy, micro_batch, trainer.vcpo_config)
+        assert loss * 2 == pytest.approx(float(res.loss), rel=1e-4, abs=1e-6)
