@@ -1,9 +1,10 @@
 """vcpo.integrations.trl.VCPOAsyncGRPOTrainer against the real trl.experimental.async_grpo.AsyncGRPOTrainer on the
-CPU: its training loop, rollout queue, batcher, tree packing, collator, fused log-prob head and callbacks, with two
+CPU: its training loop, rollout queue, batcher, tree packing, collator, fused log-prob head and callbacks, with
 stand-ins for what needs a GPU or a vLLM server: an in-process rollout worker (TRL's `rollout_worker` protocol) that
-queues fixed scored samples, a varlen causal attention in torch for the FlashAttention-3 hub kernel that TRL's tree
-attention calls, and a constant for the CUDA peak FLOPs of TRL's MFU metric. Checked against float64 references on the unpacked samples, and against TRL's own loss. One opt-in test
-(VCPO_TEST_VLLM_SERVER=1) runs TRL's own rollout worker against a CPU vLLM server instead."""
+queues fixed scored samples, a no-op weight transfer, a varlen causal attention in torch for the FlashAttention-3 hub
+kernel that TRL's tree attention calls, and a constant for the CUDA peak FLOPs of TRL's MFU metric. Checked against
+float64 references on the unpacked samples, and against TRL's own loss. One opt-in test (VCPO_TEST_VLLM_SERVER=1)
+runs TRL's own rollout worker against a CPU vLLM server instead of the first two."""
 
 import copy
 import math
