@@ -3,7 +3,9 @@
 Per generation batch (once, before TRL shuffles it and splits it into `steps_per_generation` chunks): the
 rewards and prompt groups, the current policy's log-probs and per-sequence squared gradient norms G_i, and
 `vcpo.policy_loss` over the whole batch give the OPOB advantages, the ESS and the lr scale. Each chunk's loss
-is then `vcpo.policy_loss` with those advantages; each optimizer step of the batch runs at the scaled lr."""
+is then `vcpo.policy_loss` with those advantages; each optimizer step of the batch runs at the scaled lr.
+`VCPOAsyncGRPOTrainer`: the same loss per tree-packed micro-batch of `trl.experimental.async_grpo.AsyncGRPOTrainer`,
+and the lr scale of each optimizer step's sequences."""
 
 from __future__ import annotations
 
