@@ -20,6 +20,7 @@ from trl import GRPOConfig, GRPOTrainer
 import vcpo
 from vcpo import VCPOConfig
 from vcpo.integrations.trl import VCPOGRPOConfig, VCPOGRPOTrainer
+from vcpo.trainer.servers import free_port
 from vcpo.trainer.tiny import TinyRecipe, build_model, build_tokenizer
 
 N_GEN = 4  # completions per prompt
@@ -414,11 +415,12 @@ def test_two_processes_equal_one(tmp_path):
     # --cpu would take accelerate's one-process launcher; torchrun's (--multi_gpu) with use_cpu=True in the training
     # arguments gives two CPU processes on gloo (accelerate's MULTI_CPU).
     cmd = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision",
-           "no", "--dynamo_backend", "no", "--main_process_port", "29517", __file__, str(tmp_path / "2.pt")]
-    launched = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    train_processes(tmp_path / "1.pt")  # meanwhile, one process: this one
-    _, stderr = launched.communicate(timeout=600)
-    assert launched.returncode == 0, stderr[-4000:]
+           "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()), __file__, str(tmp_path / "2.pt")]
+    with open(tmp_path / "launch.log", "w") as log:  # a file, not a pipe nobody reads while this process trains
+        launched = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        train_processes(tmp_path / "1.pt")  # meanwhile, one process: this one
+        launched.wait(timeout=600)
+    assert launched.returncode == 0, (tmp_path / "launch.log").read_text()[-4000:]
     one, two = (torch.load(tmp_path / f"{world}.pt") for world in (1, 2))
     assert (one["world"], two["world"]) == (1, 2)
     assert len(one["logs"]) == len(two["logs"]) == 2 and len(one["scaled"]) == len(two["scaled"]) == 2

@@ -140,7 +140,8 @@ def make_samples(tokenizer, behaviour, num_groups, seed=0):
         advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-8)
         for (ids, p, old, reward), advantage in zip(rows, advantages):
             samples.append(RolloutSample(
-                prompt=[], completion=[], input_ids=np.array(ids), completion_mask=np.array([0] * p + [1] * (len(ids) - p)),
+                prompt=[], completion=[], input_ids=np.array(ids),
+                completion_mask=np.array([0] * p + [1] * (len(ids) - p)),
                 old_log_probs=old, advantage=float(advantage), model_version=0, group_id=g,
                 metrics={"reward": reward}))
     return samples
