@@ -365,7 +365,7 @@ class VCPOAsyncGRPOTrainer(AsyncGRPOTrainer):
         # Prompt groups: the micro-batch's own (renumbered), each with every one of its samples.
         ids, group_index, sizes = torch.unique(groups, return_inverse=True, return_counts=True)
         split = sizes < self.args.num_generations
-        if self.vcpo_config.advantage in ("opob", "grpo") and split.any():
+        if self.vcpo_config.advantage in ("opob", "grpo", "rloo") and split.any():  # group baselines
             raise ValueError(f"prompt groups {ids[split].tolist()} have only {sizes[split].tolist()} of their "
                              f"{self.args.num_generations} samples in this micro-batch: their baselines would be "
                              "formed over part of the group (set token_budget=0 and per_device_train_batch_size to a "
