@@ -6,6 +6,8 @@ micro-batches; grad_clip on)."""
 import json
 import os
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -90,6 +92,21 @@ def _shard(model, mesh):
     return model
 
 
+def _optimizer_round_trip(mesh, local, ranks):
+    """The sharded AdamW state after one step, gathered in torch.optim's layout (what a checkpoint holds), then
+    loaded into a fresh sharded optimizer and gathered again: (first gather, second gather), rank 0's."""
+    from vcpo.trainer.ranks import full_optimizer_state, load_full_optimizer_state
+
+    model = _shard(_model("llama-tied"), mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    vcpo.step(model, opt, local, vcpo.VCPOConfig(grad_clip=0.05), process_group=dist.group.WORLD)
+    saved = full_optimizer_state(model, opt, ranks)
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    fresh.zero_grad(set_to_none=True)  # as a resumed run's Policy loads it: before any gradient
+    load_full_optimizer_state(model, fresh, saved, ranks)
+    return saved, full_optimizer_state(model, fresh, ranks)
+
+
 def _worker(rank, init_file, out_dir):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -105,6 +122,7 @@ def _worker(rank, init_file, out_dir):
             for step in (s for n, s in CASES if n == name):
                 results[name, step] = _steps(_shard(_model(name), mesh), local, step, dist.group.WORLD,
                                              gather=lambda m: get_model_state_dict(m, options=full))
+        results["optimizer"] = _optimizer_round_trip(mesh, local, SimpleNamespace(main=rank == 0))
         errors = []
         model = _shard(_model("llama"), mesh)
         for config, group in ((vcpo.VCPOConfig(), None), (vcpo.VCPOConfig(fused_lm_head=True), dist.group.WORLD)):
@@ -145,6 +163,24 @@ def test_sharded_step_equals_the_one_process_step(ranks, name, step):
         assert params.keys() == want.keys()
         for key, value in want.items():
             torch.testing.assert_close(params[key], value, rtol=0, atol=1e-6, msg=key)
+
+
+def test_the_sharded_optimizer_state_round_trips_in_torch_optims_layout(ranks):
+    """What a checkpoint holds is a plain AdamW state dict, the one-process optimizer's after the same step, and
+    loading it into a sharded optimizer gives it back."""
+    saved, again = ranks[0]["optimizer"]
+    assert ranks[1]["optimizer"] == (None, None)
+    model = _model("llama-tied")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    vcpo.step(model, opt, _batch(), vcpo.VCPOConfig(grad_clip=0.05))
+    want = opt.state_dict()
+    for got in (saved, again):
+        # (betas come back as a list: the same hyperparameters)
+        assert [{**g, "betas": tuple(g["betas"])} for g in got["param_groups"]] == want["param_groups"]
+        assert got["state"].keys() == want["state"].keys()
+        for i, state in want["state"].items():
+            for key, value in state.items():
+                torch.testing.assert_close(got["state"][i][key], value, rtol=1e-4, atol=1e-9, msg=f"{i} {key}")
 
 
 def test_a_sharded_step_refuses_what_it_cannot_do(ranks):
