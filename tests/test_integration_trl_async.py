@@ -16,7 +16,6 @@ import pytest
 import torch
 from datasets import Dataset
 import trl.experimental.async_grpo.packing as packing
-from transformers import TrainerCallback
 import trl.experimental.async_grpo.async_grpo_trainer as async_grpo_trainer
 from trl.experimental.async_grpo import AsyncGRPOTrainer
 from trl.experimental.async_grpo.async_grpo_trainer import DataCollatorForRollout, FixedCountBatcher
@@ -26,6 +25,8 @@ import vcpo
 from vcpo import VCPOConfig
 from vcpo.integrations.trl import VCPOAsyncGRPOConfig, VCPOAsyncGRPOTrainer, _WithGroups
 from vcpo.trainer.tiny import TinyRecipe, build_model, build_tokenizer
+
+from test_integration_trl import Recorder  # the lr inside and after each optimizer step
 
 N_GEN = 4
 TEMPERATURE = 0.9
@@ -187,18 +188,6 @@ def snapshot(model):
     return copy_.double()
 
 
-class StepLr(TrainerCallback):
-    def __init__(self):
-        self.scaled, self.base, self.after = [], [], []
-
-    def on_pre_optimizer_step(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
-        self.scaled.append(optimizer.param_groups[0]["lr"])
-        self.base.append(lr_scheduler.get_last_lr()[0])
-
-    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
-        self.after.append(optimizer.param_groups[0]["lr"])
-
-
 def reference(policy, rows, config):
     """A micro-batch's samples (in the packed row's order), unpacked, through vcpo.policy_loss in float64: the prompt
     groups are the micro-batch's, G_i the trained length."""
@@ -228,7 +217,7 @@ def test_trains_and_matches_policy_loss(tokenizer, model_dir, monkeypatch):
     path, model = model_dir
     samples = make_samples(tokenizer, perturbed(model), num_groups=12)  # 8, and the micro-batch accelerate prefetches
     trainer = make(VCPOAsyncGRPOTrainer, path, tokenizer, samples)
-    lr = StepLr()
+    lr = Recorder()
     trainer.add_callback(lr)
     rows, calls = [], []
     collate = _WithGroups.__call__
@@ -381,7 +370,7 @@ def test_real_rollout_worker_and_vllm_server(tokenizer, tmp_path, monkeypatch):
         trainer = VCPOAsyncGRPOTrainer(model=str(tmp_path / "model"), reward_funcs=reward, args=args,
                                        train_dataset=data, processing_class=tok,
                                        weight_transfer=ReloadOverHttp(url, str(tmp_path / "sync")))
-        lr = StepLr()
+        lr = Recorder()
         trainer.add_callback(lr)
         compute_loss = trainer.compute_loss
 
