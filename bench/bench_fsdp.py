@@ -23,45 +23,24 @@ import statistics
 import tempfile
 import time
 
+from bench_ranks import build as build_llama, share
+
 MODELS = {  # hidden, intermediate, layers, heads, vocab, B, T
     "tiny": (256, 688, 4, 4, 10000, 16, 256),
     "100m": (768, 2048, 12, 12, 16000, 8, 128),
 }
-GROUP, PROMPT = 4, 16
+PROMPT = 16  # prompt groups of bench_ranks.GROUP = 4
 CONFIGS = {"book-keeping": {"assembly": "bookkeeping"}, "two-pass": {"assembly": "two_pass"}}
 
 
 def build(name: str):
-    import torch
     import transformers
 
-    import vcpo
-
     hidden, inter, layers, heads, vocab, b, t = MODELS[name]
-    torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
                                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
                                       max_position_embeddings=t, tie_word_embeddings=False)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, vocab, (b, t), generator=g)
-    lengths = PROMPT + torch.randint(t // 4, t - PROMPT + 1, (b,), generator=g)  # unequal token counts
-    attention = (torch.arange(t) < lengths[:, None]).long()
-    loss_mask = attention * (torch.arange(t) >= PROMPT)
-    behavior = -torch.rand(b, t, generator=g) * 8 - 6
-    batch = vcpo.RolloutBatch(ids, attention, loss_mask, behavior, torch.randint(0, 2, (b,), generator=g).float(),
-                              group_index=torch.arange(b) // GROUP, num_groups=b // GROUP)
-    return model, batch
-
-
-def share(batch, rank: int, world: int):
-    import vcpo
-
-    b = batch.input_ids.shape[0]
-    rows = slice(rank * b // world, (rank + 1) * b // world)
-    return vcpo.RolloutBatch(batch.input_ids[rows], batch.attention_mask[rows], batch.loss_mask[rows],
-                             batch.behavior_logp[rows], batch.rewards[rows], group_index=batch.group_index[rows],
-                             num_groups=batch.num_groups)
+    return build_llama(config, b, t, PROMPT)
 
 
 def status_mib(field: str) -> float:

@@ -21,24 +21,28 @@ CONFIGS = {"vcpo (book-keeping)": {}, "vcpo, token-mean": {"loss_agg_mode": "tok
            "vcpo, two-pass": {"assembly": "two_pass"}}
 
 
-def build():
+def build(config=None, b: int = B, t: int = T, prompt: int = PROMPT):
+    """A random Llama of `config` (default: this bench's 4-layer one) and a batch of `b` sequences of `t` tokens
+    of unequal lengths after a `prompt`-token prompt, in prompt groups of GROUP."""
     import torch
     import transformers
 
     import vcpo
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=10000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=T)
+    if config is None:
+        config = transformers.LlamaConfig(vocab_size=10000, hidden_size=256, intermediate_size=688,
+                                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                                          max_position_embeddings=t)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 10000, (B, T), generator=g)
-    lengths = PROMPT + torch.randint(T // 4, T - PROMPT + 1, (B,), generator=g)  # unequal token counts
-    attention = (torch.arange(T) < lengths[:, None]).long()
-    loss_mask = attention * (torch.arange(T) >= PROMPT)
-    behavior = -torch.rand(B, T, generator=g) * 8 - 6
-    batch = vcpo.RolloutBatch(ids, attention, loss_mask, behavior, torch.randint(0, 2, (B,), generator=g).float(),
-                              group_index=torch.arange(B) // GROUP, num_groups=B // GROUP)
+    ids = torch.randint(0, config.vocab_size, (b, t), generator=g)
+    lengths = prompt + torch.randint(t // 4, t - prompt + 1, (b,), generator=g)  # unequal token counts
+    attention = (torch.arange(t) < lengths[:, None]).long()
+    loss_mask = attention * (torch.arange(t) >= prompt)
+    behavior = -torch.rand(b, t, generator=g) * 8 - 6
+    batch = vcpo.RolloutBatch(ids, attention, loss_mask, behavior, torch.randint(0, 2, (b,), generator=g).float(),
+                              group_index=torch.arange(b) // GROUP, num_groups=b // GROUP)
     return model, batch
 
 
@@ -46,7 +50,8 @@ def share(batch, rank: int, world: int):
     """Rank `rank`'s prompt groups of `batch` (groups in order, as vcpo train scatters them)."""
     import vcpo
 
-    rows = slice(rank * B // world, (rank + 1) * B // world)
+    b = batch.input_ids.shape[0]
+    rows = slice(rank * b // world, (rank + 1) * b // world)
     return vcpo.RolloutBatch(batch.input_ids[rows], batch.attention_mask[rows], batch.loss_mask[rows],
                              batch.behavior_logp[rows], batch.rewards[rows], group_index=batch.group_index[rows],
                              num_groups=batch.num_groups)
