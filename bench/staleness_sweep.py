@@ -56,14 +56,15 @@ class Run:
         return self.rule.removesuffix(CONTROL)
 
 
-def plan(rules: list[str], ks: list[int], seeds: list[int], controls: bool) -> list[Run]:
-    """Seed by seed, k by k: VCPO first (a control needs its lr scale), then the other rules, then the controls."""
+def plan(rules: list[str], ks: list[int], seeds: list[int], control_ks: list[int]) -> list[Run]:
+    """Seed by seed, k by k: VCPO first (a control needs its lr scale), then the other rules, then the controls
+    (at the k in `control_ks` only)."""
     ordered = ["vcpo"] + [r for r in rules if r != "vcpo"]
     runs = []
     for seed in seeds:
         for k in ks:
             runs += [Run(r, k, seed) for r in ordered]
-            if controls:
+            if k in control_ks:
                 runs += [Run(r + CONTROL, k, seed) for r in rules if r in CONTROLLED]
     return runs
 
@@ -140,7 +141,7 @@ def train_args(out: str, run: Run, args) -> list[str]:
 
 
 def sweep(args) -> None:
-    runs = plan(args.rules, args.ks, args.seeds, args.controls)
+    runs = plan(args.rules, args.ks, args.seeds, args.control_ks)
     os.makedirs(args.out, exist_ok=True)
     t0, durations = time.monotonic(), []
     for i, run in enumerate(runs, 1):
@@ -184,6 +185,7 @@ def describe_run(folder: str, steps: int) -> dict:
             "collapse_step": collapse, "ess_lead": ess_lead(ess, collapse, window),
             "ess_ratio_median": statistics.median(ess),
             "lr_scale_median": statistics.median(r["lr_scale"] for r in rows),
+            "lag_mean": statistics.fmean(r["lag"] for r in rows),
             "wall_seconds": summary["wall_seconds"], "rewards": rewards, "ess": ess}
 
 
@@ -207,13 +209,14 @@ def aggregate(described: dict[Run, dict]) -> list[dict]:
             "ess_ratio_median": statistics.median(d["ess_ratio_median"] for d in ds),
             "lr_scale_median": statistics.median(d["lr_scale_median"] for d in ds),
             "lr": statistics.median(d["lr"] for d in ds),
+            "lag_mean": statistics.fmean(d["lag_mean"] for d in ds),
             "wall_seconds": statistics.fmean(d["wall_seconds"] for d in ds)})
     return table
 
 
 def markdown(table: list[dict]) -> str:
     lines = ["| rule | k | seeds | final acc (mean +- std) | eval noise | reward last 10% | collapses (step; ESS lead) "
-             "| ESS ratio med | lr scale med | lr | wall s |", "|" + "---|" * 11]
+             "| ESS ratio med | lr scale med | lr | mean lag | wall s |", "|" + "---|" * 12]
     for row in table:
         falls = ", ".join(f"{s}; {'-' if lead is None else lead}"
                           for s, lead in zip(row["collapse_steps"], row["ess_leads"]))
@@ -221,7 +224,7 @@ def markdown(table: list[dict]) -> str:
                      f"{row['final_accuracy'][1]:.3f} | {row['eval_noise']:.3f} | {row['reward_last_10pct'][0]:.3f} +- "
                      f"{row['reward_last_10pct'][1]:.3f} | {row['collapses']}{f' ({falls})' if falls else ''} | "
                      f"{row['ess_ratio_median']:.3f} | {row['lr_scale_median']:.3f} | {row['lr']:.2e} | "
-                     f"{row['wall_seconds']:.0f} |")
+                     f"{row['lag_mean']:.1f} | {row['wall_seconds']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -269,7 +272,7 @@ def figures(described: dict[Run, dict], out: str, window: int) -> None:
 
 
 def report(args) -> None:
-    runs = plan(args.rules, args.ks, args.seeds, args.controls)
+    runs = plan(args.rules, args.ks, args.seeds, args.control_ks)
     described = {run: describe_run(os.path.join(args.out, run.name), args.steps) for run in runs
                  if finished(os.path.join(args.out, run.name), args.steps)}
     if not described:
@@ -304,12 +307,15 @@ def main() -> None:
     p.add_argument("--seeds", type=ints, default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--lr", type=float, default=3e-4, help="every rule's learning rate (the controls' base)")
-    p.add_argument("--no-controls", dest="controls", action="store_false",
-                   help="leave out the non-VCPO rules at VCPO's median effective learning rate")
+    p.add_argument("--control-ks", type=ints,
+                   help="the k at which to run each non-VCPO rule at VCPO's median effective learning rate (default:"
+                        " every k > 0; at k = 0 the lr scale is 1 by construction); '' for none")
     p.add_argument("--budget-minutes", type=float, help="start no run that would end past this")
     p.add_argument("--report-only", action="store_true", help="write the report of the finished runs, run nothing")
     p.add_argument("train_args", nargs="*", help="after --: more `vcpo train` settings for every run")
     args = p.parse_args()
+    if args.control_ks is None:
+        args.control_ks = [k for k in args.ks if k > 0]
     if not args.report_only:
         sweep(args)
     report(args)

@@ -75,14 +75,15 @@ def test_ess_lead_against_brute_force():
 
 
 def test_plan_runs_vcpo_before_its_controls_seed_by_seed():
-    runs = sweep.plan(["seq-tis", "vcpo", "grpo", "vcpo-no-ess"], [0, 4], [0, 1], controls=True)
+    runs = sweep.plan(["seq-tis", "vcpo", "grpo", "vcpo-no-ess"], [0, 4], [0, 1], control_ks=[4])
     names = [r.name for r in runs]
-    assert len(names) == len(set(names)) == 2 * 2 * (4 + 2)  # 4 rules + controls of seq-tis and grpo
+    assert len(names) == len(set(names)) == 2 * (2 * 4 + 2)  # 4 rules at each k + controls of seq-tis, grpo at k=4
+    assert not any(r.rule.endswith(sweep.CONTROL) and r.k == 0 for r in runs)
     for r in runs:
         if r.rule.endswith(sweep.CONTROL):
             assert names.index(f"vcpo-k{r.k}-s{r.seed}") < names.index(r.name)
     assert all(r.seed == 0 for r in runs[:len(runs) // 2])  # a cut-short sweep has whole seeds
-    assert not any(r.rule.endswith(sweep.CONTROL) for r in sweep.plan(["vcpo", "grpo"], [0], [0], controls=False))
+    assert not any(r.rule.endswith(sweep.CONTROL) for r in sweep.plan(["vcpo", "grpo"], [0, 4], [0], control_ks=[]))
 
 
 def fake_train(calls, steps, lr_scale=0.5):
@@ -101,8 +102,8 @@ def fake_train(calls, steps, lr_scale=0.5):
                 json.dump(config, f)
         with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
             for t in range(steps):
-                f.write(json.dumps({"reward": t / steps, "ess_ratio": 0.9, "lr_scale": lr_scale + 0.01 * (t % 3)})
-                        + "\n")
+                f.write(json.dumps({"reward": t / steps, "ess_ratio": 0.9, "lag": t % 3,
+                                    "lr_scale": lr_scale + 0.01 * (t % 3)}) + "\n")
         with open(os.path.join(folder, "summary.json"), "w") as f:
             json.dump({"interrupted": False, "steps": steps, "wall_seconds": 1.0,
                        "final_eval": {"accuracy": 0.5 + 0.1 * ("vcpo" in folder)}}, f)
@@ -111,7 +112,7 @@ def fake_train(calls, steps, lr_scale=0.5):
 
 
 def args_for(out, **kw):
-    base = dict(out=str(out), rules=["vcpo", "grpo"], ks=[0, 4], seeds=[0, 1], controls=True, steps=20, lr=1e-3,
+    base = dict(out=str(out), rules=["vcpo", "grpo"], ks=[0, 4], seeds=[0, 1], control_ks=[4], steps=20, lr=1e-3,
                 budget_minutes=None, train_args=["--eval-size", "100"], report_only=False)
     return SimpleNamespace(**{**base, **kw})
 
@@ -121,7 +122,7 @@ def test_sweep_skips_finished_runs_resumes_started_ones_and_sets_the_control_lr(
     monkeypatch.setattr(sweep.subprocess, "call", fake_train(calls, steps=20))
     args = args_for(tmp_path)
     sweep.sweep(args)
-    assert len(calls) == 2 * 2 * 3
+    assert len(calls) == 2 * (2 * 2 + 1)  # controls at k = 4 only
     for argv in calls:
         assert argv[-2:] == ["--eval-size", "100"] and "--no-progress" in argv
     control = next(a for a in calls if os.path.basename(a[a.index("--output-dir") + 1]) == "grpo@vcpo-lr-k4-s1")
@@ -142,7 +143,7 @@ def test_sweep_stops_at_the_budget(tmp_path, monkeypatch):
     monkeypatch.setattr(sweep.time, "monotonic", lambda: next(clock))
     sweep.sweep(args_for(tmp_path, budget_minutes=4.5))
     # run 1 starts at minute 1 and takes a minute; then each run starts when spent + 1 minute fits in 4.5
-    assert 1 <= len(calls) < 12
+    assert 1 <= len(calls) < 10
     spent_runs = len(calls)
     sweep.sweep(args_for(tmp_path, budget_minutes=4.5))  # a second call goes on where it stopped
     assert len(calls) > spent_runs
@@ -160,13 +161,14 @@ def test_report_aggregates_over_seeds(tmp_path, monkeypatch, capsys):
     sweep.sweep(args)
     sweep.report(args)
     table = json.load(open(tmp_path / "sweep.json"))
-    assert {(r["rule"], r["k"]) for r in table} == {(rule, k) for rule in ("vcpo", "grpo", "grpo@vcpo-lr")
-                                                    for k in (0, 4)}
+    assert {(r["rule"], r["k"]) for r in table} == {("vcpo", 0), ("grpo", 0), ("vcpo", 4), ("grpo", 4),
+                                                    ("grpo@vcpo-lr", 4)}
     row = next(r for r in table if r["rule"] == "vcpo" and r["k"] == 4)
     assert row["seeds"] == 3 and row["final_accuracy"] == [pytest.approx(0.6), 0.0]
     assert row["eval_noise"] == pytest.approx(math.sqrt(0.6 * 0.4 / 100))
     assert row["reward_last_10pct"][0] == pytest.approx(statistics.fmean([18 / 20, 19 / 20]))
     assert row["collapses"] == 0
+    assert row["lag_mean"] == pytest.approx(statistics.fmean(t % 3 for t in range(20)))
     assert os.path.getsize(tmp_path / "curves.png") > 0 and os.path.getsize(tmp_path / "accuracy.png") > 0
     assert "| vcpo | 4 | 3 | 0.600 +- 0.000 |" in capsys.readouterr().out
 
