@@ -24,7 +24,8 @@ enum Scalar : int64_t {
   kNumSeqs = 7,
   kNumNonfinite = 8,
   kPpoClipFraction = 9,
-  kNumScalars = 10,
+  kRejectedFraction = 10,
+  kNumScalars = 11,
 };
 enum LossCode : int64_t {
   kIsLevel = 0,

@@ -50,6 +50,42 @@ def _mean(xs):
     return sum(xs) / len(xs)
 
 
+def _weighted_quantile(rs, ws, q):
+    """Walk the rewards in ascending order: the first whose running weight reaches q times the total."""
+    pairs = sorted(zip(rs, ws))
+    total, run = sum(ws), 0.0
+    for r, w in pairs:
+        run += w
+        if run >= q * total:
+            return r
+    return pairs[-1][0]
+
+
+def _robust_baseline(rs, ws, o: PolicyLossOptions):
+    if sum(ws) == 0:
+        ws = [1.0] * len(ws)
+    if o.opob_aggregation == "median":
+        return _weighted_quantile(rs, ws, 0.5)
+    lo, hi = (_weighted_quantile(rs, ws, q) for q in o.opob_winsorize_quantiles)
+    return sum(w * min(max(r, lo), hi) for r, w in zip(rs, ws)) / sum(ws)
+
+
+def _rejected(deltas: list, o: PolicyLossOptions) -> list:
+    """Per token of one sequence: whether a rejection criterion removes it."""
+    out = [False] * len(deltas)
+    for name, low, high in o.rejection:
+        scope, kind = name.rsplit("_", 1)
+        stats = [{"k1": d, "k2": d * d / 2, "k3": math.exp(d) - 1 - d}[kind] for d in deltas]
+        if scope != "token":
+            seq_stat = {"seq_sum": sum(stats), "seq_mean": sum(stats) / max(len(stats), 1),
+                        "seq_max": max(stats, default=0.0)}[scope]
+            stats = [seq_stat] * len(deltas)
+        for t, x in enumerate(stats):
+            kept = low <= math.exp(x) <= high if kind == "k1" else x <= high
+            out[t] = out[t] or not kept
+    return out
+
+
 def _advantages(seqs: list[Seq], valid: list[int], s: list[float], o: PolicyLossOptions, num_groups: int):
     b = len(seqs)
     adv = [0.0] * b
@@ -85,6 +121,8 @@ def _advantages(seqs: list[Seq], valid: list[int], s: list[float], o: PolicyLoss
                 weights.append(w)
             # The contract's centred form of sum W R / sum W: exact (A = 0) for constant-reward groups.
             b_g = m + sum(w * (x - m) for w, x in zip(weights, rs)) / sum(weights) if sum(weights) > 0 else m
+            if o.opob_aggregation != "mean":
+                b_g = _robust_baseline(rs, weights, o)
             baseline[g] = b_g
             for i in idx:
                 a = seqs[i].reward - b_g
@@ -131,7 +169,7 @@ def oracle(seqs: list[Seq], o: PolicyLossOptions, num_groups: int, norm_length: 
     baseline, adv = _advantages(seqs, valid, s, o, num_groups)
 
     loss, grads = 0.0, [[0.0] * lengths[i] for i in range(b)]
-    changed = coef_sum = clipped = 0.0
+    changed = coef_sum = clipped = rejected = 0.0
     for i in valid:
         agg = {
             "token-mean": 1 / n_tok,
@@ -144,6 +182,8 @@ def oracle(seqs: list[Seq], o: PolicyLossOptions, num_groups: int, norm_length: 
             c_seq, ch = _coef(lw, o)
             changed += ch
             coef_sum += c_seq
+        rejects = _rejected(deltas[i], o)
+        rejected += sum(rejects)
         for t in range(lengths[i]):
             if o.is_level == "token":
                 c, ch = _coef(deltas[i][t], o)
@@ -151,12 +191,18 @@ def oracle(seqs: list[Seq], o: PolicyLossOptions, num_groups: int, norm_length: 
                 coef_sum += c
             else:
                 c = c_seq
+            if rejects[t]:
+                c = 0.0
             r = math.exp(seqs[i].lp[t] - prox[i][t]) if seqs[i].old is not None else 1.0
             p, dp, on_clip = _surrogate(r, adv[i], o)
-            clipped += on_clip
+            clipped += on_clip and c != 0  # a unit with coefficient 0 takes no branch (its r is not read)
             loss += agg * c * p
             grads[i][t] = agg * c * dp * r
     units = n_tok if o.is_level == "token" else n_seq
+    mean_coef = coef_sum / units if units else 0.0
+    if o.is_batch_normalize and mean_coef > 0:
+        loss /= mean_coef
+        grads = [[g / mean_coef for g in gs] for gs in grads]
     k3 = sum(math.expm1(d) - d for dl in deltas for d in dl)
     return {
         "loss": loss,
@@ -168,9 +214,10 @@ def oracle(seqs: list[Seq], o: PolicyLossOptions, num_groups: int, norm_length: 
         "advantages": adv,
         "seq_log_weight": s,
         "is_clip_fraction": changed / units if units else 0.0,
-        "mean_is_coef": coef_sum / units if units else 0.0,
+        "mean_is_coef": mean_coef,
         "kl_k3": k3 / n_tok if n_tok else 0.0,
         "num_tokens": float(n_tok),
         "num_seqs": float(n_seq),
         "ppo_clip_fraction": clipped / n_tok if n_tok else 0.0,
+        "rejected_fraction": rejected / n_tok if n_tok else 0.0,
     }

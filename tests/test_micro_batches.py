@@ -39,13 +39,17 @@ PATHS = {
     "batch-scope": (dict(opob_scope="batch"), "recompute"),
     "fused-lm_head-batch-scope": (dict(fused_lm_head=True, grad_norms="lm_head", opob_scope="batch"), "recompute"),
     "reinforce-length": (dict(advantage="reinforce", grad_norms="length"), "recompute"),
+    "token-rejection-median": (dict(rejection=(("token_k2", None, 0.1),), opob_aggregation="median"),
+                               "per micro-batch"),
+    "batch-normalize": (dict(is_batch_normalize=True, is_threshold=1.5), "recompute"),
 }
 
 
 def _bookkept(options) -> bool:
     """Whether the gradient is book-kept (the step's assembly="auto") where the coefficients allow it."""
     return (options.get("grad_norms", "exact") == "exact" and options.get("assembly") != "two_pass"
-            and options.get("is_level") != "token")
+            and options.get("is_level") != "token" and not any(n.startswith("token_") for n, _, _ in
+                                                                options.get("rejection", ())))
 
 
 def _model(kind, tied, dtype=torch.float32, seed=0):

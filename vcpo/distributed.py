@@ -5,7 +5,7 @@ the per-sequence quantities they need (log weight s_i, counted length L_i, rewar
 exchanged in one all_gather of a [B, 5] tensor; every rank then computes the same ESS and baselines (with the
 reference ops: [world * B] elements, microseconds) and its own loss with its slice of the advantages. Unlike the
 public reference code, which computes the ESS on tensor-parallel rank 0 only (every other rank steps with
-lr = 0), no rank is special.
+lr = 0), no rank is special. `is_batch_normalize` divides by the mean IS coefficient of every rank's units.
 
 Pass the data-parallel group: ranks that hold the same sequences (tensor or pipeline parallel peers) already
 agree without communication and must not be in it. Every rank must pass the same number of sequences, and
@@ -25,6 +25,7 @@ from torch import Tensor
 
 import vcpo_kernels
 from vcpo_kernels.inputs import sequence_batch, token_batch
+from vcpo_kernels.ops import batch_normalizer
 
 __all__ = ["policy_loss", "agg_count", "global_share"]
 
@@ -91,8 +92,13 @@ def policy_loss(logp: Tensor, behavior_logp: Tensor, *, process_group, options, 
             options=options, validate=False)
         baseline, adv_local = everyone.baseline, everyone.advantages[first:first + b]
     out = vcpo_kernels.policy_loss(logp, behavior_logp, mask=mask, cu_seqlens=cu_seqlens, old_logp=old_logp,
-                                   advantages=adv_local.to(tokens.acc_dtype), options=options, validate=False,
-                                   backend=backend)
+                                   advantages=adv_local.to(tokens.acc_dtype),
+                                   options=options.replace(is_batch_normalize=False), validate=False, backend=backend)
+    if options.is_batch_normalize:  # the mean coefficient of every rank's units (a second, tiny collective)
+        units = (out.num_tokens if options.is_level == "token" else out.num_seqs).double()
+        coef = torch.stack([out.mean_is_coef.double() * units, units])
+        dist.all_reduce(coef, group=process_group)
+        out.loss = out.loss / batch_normalizer(coef[0] / coef[1].clamp(min=1)).to(out.loss.dtype)
     share = world * global_share(stats.seq_length, agg_count(length, options.loss_agg_mode), options.loss_agg_mode)
     if options.loss_agg_mode == "seq-mean-token-sum-norm" and options.norm_length is None and tokens.padded_length:
         # the default norm_length, T, of one batch padded to the longest rank's T (the op used this rank's)

@@ -85,8 +85,8 @@ def _fused_head_parts(model: nn.Module):
 
 def _bookkeeping_exact(config: VCPOConfig, batch: RolloutBatch) -> bool:
     """Book-keeping needs d loss / d log pi constant within each sequence: the ratio r must be 1 (bypass
-    mode) and the IS coefficient per sequence (not per token)."""
-    return batch.old_logp is None and config.is_level != "token"
+    mode) and the IS coefficient per sequence (not per token, nor a token-level rejection criterion)."""
+    return batch.old_logp is None and config.is_level != "token" and not config.token_rejection
 
 
 def _average_gradients(params: list, group, sums: Tensor) -> None:
@@ -157,6 +157,8 @@ def _whole_batch_advantages(config: VCPOConfig) -> str:
         return "advantage='reinforce' subtracts the batch's mean reward"
     if config.advantage == "opob" and config.opob_scope == "batch":
         return "opob_scope='batch' forms one baseline over the whole batch"
+    if config.is_batch_normalize:
+        return "is_batch_normalize divides every IS coefficient by the whole batch's mean"
     return ""
 
 
@@ -305,8 +307,8 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatc
           process_group) -> dict[str, float]:
     exact_ok = _bookkeeping_exact(config, batch)
     if config.assembly == "bookkeeping" and not exact_ok:
-        raise ValueError("assembly='bookkeeping' needs bypass mode (no old_logp) and is_level != 'token'; "
-                         "use assembly='two_pass' or 'auto'")
+        raise ValueError("assembly='bookkeeping' needs bypass mode (no old_logp), is_level != 'token' and no "
+                         "token-level rejection criterion; use assembly='two_pass' or 'auto'")
     # Book-keeping rebuilds every parameter's gradient from the recorded layers: all of them must be recorded.
     if config.assembly == "bookkeeping" and config.grad_norms != "exact":
         raise ValueError("assembly='bookkeeping' needs grad_norms='exact' (every layer recorded)")
@@ -414,16 +416,17 @@ def _loss_sums(out, config: VCPOConfig, valid: Tensor, grad_sq_norm: Optional[Te
     values = [out.loss.detach() / world, out.is_clip_fraction * units, out.mean_is_coef * units, units,
               out.kl_k3 * out.num_tokens, out.ppo_clip_fraction * out.num_tokens, out.num_tokens, out.num_seqs,
               out.num_nonfinite, grad_sq_norm.sum() if grad_sq_norm is not None else valid.numel(),
-              valid.numel(), (out.advantages.abs() * valid).sum(), valid.sum()]
+              valid.numel(), (out.advantages.abs() * valid).sum(), valid.sum(), out.rejected_fraction * out.num_tokens]
     return torch.stack([torch.as_tensor(v, device=valid.device).double().reshape(()) for v in values])
 
 
 def _whole_batch_statistics(out, sums: Tensor) -> dict:
     """Sets out's statistics to the ones of the (summed) _loss_sums; returns the step's mean G_i and |A_i|."""
-    loss, clipped, coef, units, kl, ppo, tokens, seqs, nonfinite, g, b, adv, valid = sums.unbind()
+    loss, clipped, coef, units, kl, ppo, tokens, seqs, nonfinite, g, b, adv, valid, rejected = sums.unbind()
     out.loss, out.num_tokens, out.num_seqs, out.num_nonfinite = loss, tokens, seqs, nonfinite
     out.is_clip_fraction, out.mean_is_coef = clipped / units.clamp(min=1), coef / units.clamp(min=1)
     out.kl_k3, out.ppo_clip_fraction = kl / tokens.clamp(min=1), ppo / tokens.clamp(min=1)
+    out.rejected_fraction = rejected / tokens.clamp(min=1)
     return {"grad_sq_norm_mean": g / b.clamp(min=1), "advantage_abs_mean": adv / valid.clamp(min=1)}
 
 

@@ -67,6 +67,7 @@ class PolicyLossResult:
     num_seqs: Tensor
     num_nonfinite: Tensor
     ppo_clip_fraction: Tensor
+    rejected_fraction: Tensor
 
     def metrics(self, **extra: Tensor) -> dict[str, float]:
         """The loss, the scalar statistics and any `extra` scalar tensors as Python floats: one host sync for
@@ -219,10 +220,22 @@ def policy_loss(
         if tokens.padded_length is None:
             raise ValueError("norm_length is required for loss_agg_mode='seq-mean-token-sum-norm' with packed input")
         norm_length = max(tokens.padded_length, 1)
+    if backend == "auto" and opts.kernel_refusal("cpu") is not None:
+        backend = "torch"  # "auto" on CPU tensors is the C++ kernel, elsewhere the reference
     kernel = backends.kernel("policy_loss", backend, tokens.logp.device)
     loss, scalars, baseline, adv, s = kernel(tokens, seq, opts, norm_length)
     stats = dict(zip(SCALAR_FIELDS, scalars.unbind(0)))
+    if opts.is_batch_normalize:
+        # every coefficient divided by their mean M over the units: the loss is linear in them
+        loss = loss / batch_normalizer(stats["mean_is_coef"]).to(loss.dtype)
     return PolicyLossResult(loss=loss, baseline=baseline, advantages=adv, seq_log_weight=s, **stats)
+
+
+def batch_normalizer(mean_coef: Tensor) -> Tensor:
+    """What is_batch_normalize divides the IS coefficients by: their mean over the units, detached; 1 where it
+    is 0 (every coefficient 0: nothing to scale)."""
+    mean_coef = mean_coef.detach()
+    return torch.where(mean_coef == 0, 1, mean_coef)
 
 
 @dataclass

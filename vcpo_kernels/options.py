@@ -18,6 +18,15 @@ GIVEN_ADVANTAGES = 5  # the kernels' code for advantages passed in by the caller
 OPOB_SCOPES = ("group", "batch")
 # Which log weight OPOB squares: s, min(s, log C) (opob_truncated_weights) or s + min(s, log C) (reference_compat).
 OPOB_WEIGHTS = {"raw": 0, "truncated": 1, "reference-compat": 2}
+# How OPOB forms b_g from the group's rewards and weights W_j (docs/contract.md, "Advantages").
+OPOB_AGGREGATIONS = ("mean", "median", "winsorized_mean")
+# verl's rejection criteria (rollout_rs): the per-token divergence k1 = Delta, k2 = Delta^2 / 2,
+# k3 = exp(Delta) - 1 - Delta, taken per token or summed, averaged or maximised over the sequence.
+REJECTION_CRITERIA = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
+                      "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
+# Options the compiled kernels do not have yet: with any of them away from its default, backend="auto" runs the
+# reference and "cpu", "triton", "cuda" raise (kernel_refusal).
+_REFERENCE_ONLY = ("opob_aggregation", "rejection")
 LOSS_AGG_MODES = {
     "token-mean": 0,
     "seq-mean-token-mean": 1,
@@ -36,6 +45,7 @@ SCALAR_FIELDS = (
     "num_seqs",
     "num_nonfinite",
     "ppo_clip_fraction",
+    "rejected_fraction",
 )
 # The fused op's scalar options, packed by position into `int[] codes` and `float[] values` (an absent clip
 # bound is NaN); PolicyLossOptions.packed() fills them, csrc/loss_options.h unpacks them.
@@ -86,6 +96,12 @@ class PolicyLossOptions:
     clip_ratio_c: Optional[float] = None
     loss_agg_mode: str = "seq-mean-token-mean"
     norm_length: Optional[float] = None
+    opob_aggregation: str = "mean"
+    opob_winsorize_quantiles: Tuple[float, float] = (0.05, 0.95)
+    # (criterion, low, high) entries, all applied: k1 criteria keep low <= r <= high (r the token's, the
+    # sequence's or the geometric-mean ratio), the others keep statistic <= high (low None).
+    rejection: Tuple[Tuple[str, Optional[float], Optional[float]], ...] = ()
+    is_batch_normalize: bool = False
 
     def __post_init__(self) -> None:
         _choice("is_level", self.is_level, IS_LEVELS)
@@ -125,6 +141,16 @@ class PolicyLossOptions:
                 raise ValueError(f"clip_ratio_c must be > 1, got {self.clip_ratio_c!r}")
         if self.norm_length is not None:
             _positive("norm_length", self.norm_length)
+        _choice("opob_aggregation", self.opob_aggregation, OPOB_AGGREGATIONS)
+        q = self.opob_winsorize_quantiles
+        if not isinstance(q, (tuple, list)) or len(q) != 2 or not all(
+                not isinstance(x, bool) and isinstance(x, (int, float)) and 0 <= x <= 1 for x in q) or q[0] > q[1]:
+            raise ValueError(f"opob_winsorize_quantiles must be a pair (low, high), 0 <= low <= high <= 1, got "
+                             f"{q!r}")
+        object.__setattr__(self, "opob_winsorize_quantiles", (float(q[0]), float(q[1])))
+        object.__setattr__(self, "rejection", _rejection(self.rejection))
+        if not isinstance(self.is_batch_normalize, bool):
+            raise ValueError(f"is_batch_normalize must be a bool, got {self.is_batch_normalize!r}")
 
     @property
     def threshold_low(self) -> float:
@@ -151,6 +177,47 @@ class PolicyLossOptions:
 
     def replace(self, **changes) -> "PolicyLossOptions":
         return dataclasses.replace(self, **changes)
+
+    @property
+    def token_rejection(self) -> bool:
+        """Whether a rejection criterion acts per token (the coefficient then varies within a sequence)."""
+        return any(name.startswith("token_") for name, _, _ in self.rejection)
+
+    def kernel_refusal(self, backend: str) -> Optional[str]:
+        """The error message of a compiled backend that lacks an option in use, or None."""
+        used = [name for name in _REFERENCE_ONLY
+                if getattr(self, name) != PolicyLossOptions.__dataclass_fields__[name].default]
+        if not used:
+            return None
+        return f"backend={backend!r} does not support {', '.join(used)} yet; use backend='torch' or 'auto'"
+
+
+def _bound(criterion: str, side: str, x) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 < x < math.inf:
+        raise ValueError(f"rejection {criterion!r}: {side} must be a finite number > 0, got {x!r}")
+    return float(x)
+
+
+def _rejection(entries) -> tuple:
+    """The rejection entries as a tuple of (criterion, low, high), checked."""
+    if not isinstance(entries, (tuple, list)):
+        raise ValueError(f"rejection must be a sequence of (criterion, low, high) entries, got {entries!r}")
+    out = []
+    for entry in entries:
+        if not isinstance(entry, (tuple, list)) or len(entry) != 3:
+            raise ValueError(f"rejection entries must be (criterion, low, high), got {entry!r}")
+        name, low, high = entry
+        _choice("rejection criterion", name, REJECTION_CRITERIA)
+        high = _bound(name, "high", high)
+        if name.endswith("k1"):
+            low = _bound(name, "low", low)
+            if low > high:
+                raise ValueError(f"rejection {name!r}: low ({low}) must be <= high ({high})")
+        elif low is not None:
+            raise ValueError(f"rejection {name!r} bounds the divergence from above only: low must be None, "
+                             f"got {low!r}")
+        out.append((name, low, high))
+    return tuple(out)
 
 
 def _camel(name) -> str:

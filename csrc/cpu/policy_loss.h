@@ -155,6 +155,7 @@ void policy_loss_forward(const TokenView& v, const SequenceInputs& seq, const Lo
   sc[kNumSeqs] = num_seqs;
   sc[kNumNonfinite] = nonfinite;
   sc[kPpoClipFraction] = num_tokens > 0 ? ppo_clipped / num_tokens : 0.0;
+  sc[kRejectedFraction] = 0.0;  // rejection criteria: the reference only (PolicyLossOptions.kernel_refusal)
 }
 
 // d loss / d logp for every token (zero on tokens that do not count).

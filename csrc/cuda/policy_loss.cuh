@@ -164,7 +164,8 @@ __global__ void finish_kernel(const acc_t* partials, int64_t num_parts, const do
   const double out[kNumScalars] = {work[kWEss], work[kWRatio], work[kWLr],
                                    units > 0 ? unit_changed / units : 0.0, units > 0 ? unit_coef / units : 0.0,
                                    tokens > 0 ? work[kWKl] / tokens : 0.0, tokens, seqs, work[kWNonfinite],
-                                   tokens > 0 ? clipped / tokens : 0.0};
+                                   tokens > 0 ? clipped / tokens : 0.0,
+                                   0.0};  // rejected_fraction: rejection is the reference's only, so far
   *loss_out = static_cast<acc_t>(loss);
   for (int j = 0; j < kNumScalars; ++j) scalars[j] = static_cast<acc_t>(out[j]);
 }

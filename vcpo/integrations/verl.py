@@ -54,6 +54,30 @@ def loss_options(config, loss_agg_mode: str) -> VCPOConfig:
                       is_threshold=threshold, loss_agg_mode=loss_agg_mode, norm_length=factor)
 
 
+def rejection_entries(rollout_rs: str, rollout_rs_threshold) -> tuple:
+    """PolicyLossOptions.rejection of verl's `rollout_rs` (comma-separated criteria, repeats dropped) and
+    `rollout_rs_threshold` (one spec for all, or one per criterion). verl's k1 spec "lo_hi" (or "x": 1/x and x)
+    bounds -log r, so it keeps 1/hi <= r <= 1/lo: vcpo's bounds on r are (1/hi, 1/lo)."""
+    names = list(dict.fromkeys(n.strip() for n in str(rollout_rs).split(",") if n.strip()))
+    specs = [p.strip() for p in str(rollout_rs_threshold).split(",") if p.strip()]
+    if not names or len(specs) not in (1, len(names)):
+        raise ValueError(f"rollout_rs={rollout_rs!r} needs one rollout_rs_threshold or one per criterion, got "
+                         f"{rollout_rs_threshold!r}")
+    entries = []
+    for name, spec in zip(names, specs * len(names) if len(specs) == 1 else specs):
+        try:
+            if name.endswith("k1"):
+                lo, _, hi = spec.rpartition("_")
+                hi = float(hi)
+                lo = float(lo) if lo else 1 / hi
+                entries.append((name, 1 / hi, 1 / lo))
+            else:
+                entries.append((name, None, float(spec)))
+        except (ValueError, ZeroDivisionError):
+            raise ValueError(f"rollout_rs_threshold {spec!r} of {name!r} is not a bound verl accepts") from None
+    return entries
+
+
 def _log_sums(s: Tensor, valid: Tensor) -> Tensor:
     """[m, sum exp(s - m), sum exp(2 (s - m)), n, 1] over the valid s (float64): the ESS's sums shifted by their
     maximum m, the count, one loss call. No valid weight, or every weight 0 (m = -inf): sums 0."""

@@ -48,4 +48,5 @@ def sequence_advantages(seq: SequenceBatch, s: Tensor, length: Tensor, opts: Pol
     s_trunc = torch.clamp(s, max=math.log(opts.is_threshold))
     log_weight = {0: s, 1: s_trunc, 2: s + s_trunc}[opts.opob_weight_code]
     return opob_baseline(seq.rewards, log_weight, seq.grad_sq_norm, seq.group_index, length, seq.num_groups,
-                         opts.opob_length_norm, opts.norm_by_std)
+                         opts.opob_length_norm, opts.norm_by_std, opts.opob_aggregation,
+                         opts.opob_winsorize_quantiles)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -19,8 +19,11 @@ def opob_baseline(
     num_groups: int,
     length_norm: bool,
     norm_by_std: bool,
+    aggregation: str = "mean",
+    quantiles: Tuple[float, float] = (0.05, 0.95),
 ):
-    """(b_g [num_groups], A_i [B]) with W_j = exp(2 lw_j) G_j (/ L_j^2), max-shifted per group."""
+    """(b_g [num_groups], A_i [B]) with W_j = exp(2 lw_j) G_j (/ L_j^2), max-shifted per group, and b_g their
+    weighted mean, median or winsorized mean."""
     b = rewards.numel()
     length = seq_length if seq_length is not None else torch.ones_like(rewards)
     valid = length > 0
@@ -38,9 +41,40 @@ def opob_baseline(
     sum_w = segment_sum(w, group, num_groups)
     # b = mean + sum W (R - mean) / sum W: exact for one-member and constant-reward groups.
     sum_wd = segment_sum(torch.where(valid, w * (rewards - mean[group]), 0), group, num_groups)
-    baseline = torch.where(shift == -torch.inf, mean, mean + sum_wd / sum_w)  # all W = 0: plain mean
+    if aggregation == "mean":
+        baseline = torch.where(shift == -torch.inf, mean, mean + sum_wd / sum_w)  # all W = 0: plain mean
+    else:
+        baseline = _robust_baseline(rewards, w, valid, group, num_groups, shift, aggregation, quantiles)
     sigma = var.sqrt()[group]
     adv = rewards - baseline[group]
     if norm_by_std:
         adv = torch.where(sigma > 1e-8, adv / sigma, adv)
     return baseline, torch.where(valid, adv, 0)
+
+
+def _robust_baseline(rewards, w, valid, group, num_groups, shift, aggregation, quantiles):
+    """b_g by weighted quantiles, O(n_g^2) per group: F_k = sum of the W_j with R_j <= R_k in k's group, and the
+    q-quantile the smallest R_k with F_k >= q sum_j W_j (the group's largest reward if rounding leaves none).
+    A group whose every W_j is 0 weighs its members equally; a NaN or +inf W_j gives NaN."""
+    w = torch.where(valid & (shift == -torch.inf)[group], 1.0, w)  # all W = 0: every member weighs 1
+    same = (group[:, None] == group[None, :]) & valid[None, :] & valid[:, None]
+    below = same & (rewards[None, :] <= rewards[:, None])  # [k, j]: R_j <= R_k in k's group
+    cum = torch.where(below, w[None, :], 0).sum(1)
+    total = segment_sum(w, group, num_groups)
+    top = segment_max(torch.where(valid, rewards, -torch.inf), group, num_groups)
+
+    def quantile(q):
+        hit = valid & (cum >= q * total[group])
+        low = rewards.new_full((num_groups,), torch.inf).scatter_reduce(
+            0, group, torch.where(hit, rewards, torch.inf), reduce="amin", include_self=True)
+        return torch.where(low == torch.inf, top, low)
+
+    if aggregation == "median":
+        b = quantile(0.5)
+    else:  # b = lo + sum W (clip(R, lo, hi) - lo) / sum W: exact for one-member and constant-reward groups
+        lo, hi = quantile(quantiles[0]), quantile(quantiles[1])
+        clipped = torch.minimum(torch.maximum(rewards, lo[group]), hi[group])
+        b = lo + segment_sum(torch.where(valid, w * (clipped - lo[group]), 0), group, num_groups) / total
+    count = segment_sum(valid.to(rewards.dtype), group, num_groups)
+    bad = torch.isnan(shift) | (shift == torch.inf)
+    return torch.where(count == 0, 0, torch.where(bad, torch.nan, b))

@@ -12,7 +12,7 @@ from ..inputs import SequenceBatch, TokenBatch
 from ..options import PolicyLossOptions
 from .advantages import sequence_advantages
 from .effective_sample_size import effective_sample_size
-from .segments import segment_ids, segment_sum
+from .segments import segment_ids, segment_max, segment_sum
 from .sequence_stats import sequence_stats, token_deltas
 
 
@@ -37,6 +37,26 @@ def is_coefficient(log_weight: Tensor, opts: PolicyLossOptions):
         kept = (log_weight >= log_lo) & (log_weight <= log_hi)
         return kept.to(log_weight.dtype), ~kept
     return torch.ones_like(log_weight), torch.zeros_like(log_weight, dtype=torch.bool)
+
+
+def rejected_tokens(delta: Tensor, counted: Tensor, ids: Tensor, length: Tensor, opts: PolicyLossOptions):
+    """Counted tokens that a rejection criterion removes (its own statistic, or its sequence's, fails the bounds;
+    a NaN statistic fails)."""
+    rejected = torch.zeros_like(counted)
+    b = length.numel()
+    for name, low, high in opts.rejection:
+        scope, kind = name.rsplit("_", 1)
+        token = {"k1": delta, "k2": 0.5 * delta * delta, "k3": torch.expm1(delta) - delta}[kind]
+        if scope == "token":
+            stat = token
+        elif scope == "seq_max":
+            stat = segment_max(torch.where(counted, token, -torch.inf), ids, b)[ids]
+        else:
+            total = segment_sum(torch.where(counted, token, 0), ids, b)
+            stat = (total if scope == "seq_sum" else total / length.clamp(min=1))[ids]
+        keep = (stat >= math.log(low)) & (stat <= math.log(high)) if kind == "k1" else stat <= high
+        rejected |= counted & ~keep
+    return rejected
 
 
 def ppo_surrogate(r: Tensor, adv: Tensor, opts: PolicyLossOptions):
@@ -95,6 +115,8 @@ def policy_loss(tokens: TokenBatch, seq: SequenceBatch, opts: PolicyLossOptions,
         unit_coef, changed = is_coefficient(seq_lw, opts)
         coef = unit_coef[ids]
         unit_valid, unit_count = valid, num_seqs
+    rejected = rejected_tokens(delta, counted, ids, length, opts)
+    coef = torch.where(rejected, 0, coef)
     lp = torch.where(counted, tokens.logp.to(cd), 0)  # masked tokens get an exact zero gradient
     # A unit the correction removed (c = 0) contributes exactly 0, even where r or A are not finite.
     kept = counted & (coef != 0)
@@ -120,5 +142,6 @@ def policy_loss(tokens: TokenBatch, seq: SequenceBatch, opts: PolicyLossOptions,
         num_seqs,
         (valid & ~torch.isfinite(s)).sum().to(cd),
         (on_clip & counted).sum().to(cd) / denom_tokens,
+        rejected.sum().to(cd) / denom_tokens,
     ]).to(cd)
     return loss, scalars, baseline, adv, s

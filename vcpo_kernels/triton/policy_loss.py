@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ..inputs import SequenceBatch, TokenBatch
-from ..options import ADVANTAGES, IS_CORRECTIONS, IS_LEVELS, LOSS_AGG_MODES, LR_RULES, PolicyLossOptions
+from ..options import ADVANTAGES, IS_CORRECTIONS, IS_LEVELS, LOSS_AGG_MODES, LR_RULES, SCALAR_FIELDS, PolicyLossOptions
 from .advantages import OPOB, advantages
 from .codes import (AGG_SEQ_MEAN_TOKEN_MEAN, AGG_SEQ_MEAN_TOKEN_SUM, AGG_TOKEN_MEAN, CORRECTION_MASK,
                     CORRECTION_TRUNCATE, LEVEL_GEOMETRIC, LEVEL_TOKEN)
@@ -218,6 +218,7 @@ def _finish(part_ptr, num_parts, work_ptr, gs_ptr, adv_ptr, len_ptr, n, loss_ptr
     tl.store(scalars_ptr + 7, seqs.to(dt))
     tl.store(scalars_ptr + 8, tl.load(work_ptr + 8).to(dt))
     tl.store(scalars_ptr + 9, tl.where(tokens > 0, clipped / tl.maximum(tokens, 1.0), 0.0).to(dt))
+    tl.store(scalars_ptr + 10, tl.zeros((), dt))  # rejected_fraction: no rejection here yet (kernel_refusal)
 
 
 def _token_args(t: TokenBatch, plan, adv, gs, opts: PolicyLossOptions):
@@ -264,7 +265,7 @@ class _PolicyLoss(torch.autograd.Function):
         if token_pass and grid and b:
             _token_pass[(grid,)](*args, work, partials, t.logp, *scalars, WRITE_GRAD=False, **flags)
         loss = torch.empty((), dtype=acc, device=device)
-        stats = torch.empty(10, dtype=acc, device=device)
+        stats = torch.empty(len(SCALAR_FIELDS), dtype=acc, device=device)
         _finish[(1,)](partials, grid if token_pass else 0, work, gs, adv, length, b, loss, stats,
                       TOKEN_PASS=token_pass, TOKEN_LEVEL=opts.is_level == "token", BLOCK=BLOCK_SEQS)
         ctx.tokens, ctx.plan, ctx.opts = t, plan, opts
@@ -288,4 +289,7 @@ class _PolicyLoss(torch.autograd.Function):
 
 def policy_loss(tokens: TokenBatch, seq: SequenceBatch, opts: PolicyLossOptions, norm_length):
     """(loss, scalars, baseline, advantages, seq_log_weight); autograd to tokens.logp."""
+    refusal = opts.kernel_refusal("triton")
+    if refusal is not None:
+        raise ValueError(refusal)
     return _PolicyLoss.apply(tokens.logp, tokens, seq, opts, norm_length)
