@@ -169,6 +169,36 @@ def test_equals_verls_is_weighted_losses(level, threshold):
     torch.testing.assert_close(grad, torch.autograd.grad(reinforce, z)[0], rtol=1e-6, atol=1e-7)
 
 
+RS = [("token_k1", "0.8_1.1"), ("token_k2,token_k3", "0.03,0.04"), ("seq_sum_k1", "1.3"), ("seq_mean_k2", "0.05"),
+      ("seq_max_k3,seq_sum_k3,seq_mean_k1", "0.1,0.2,0.8_1.3")]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("rs,rs_threshold", RS + [(None, None)])
+@pytest.mark.parametrize("level,threshold,normalize", [("sequence", 1.5, True), ("token", 1.2, True),
+                                                       ("token", 1.3, False)])
+def test_rejection_and_batch_normalisation_equal_verls_bypass_reinforce(mode, rs, rs_threshold, level, threshold,
+                                                                        normalize):
+    """verl's rollout_rs criteria and rollout_is_batch_normalize, mapped: through verl's ppo_loss with its global
+    counts, the gradient of the `vcpo` loss is the one of verl's bypass-mode REINFORCE with the same
+    rollout_correction (-A w per kept token; its loss value is -A w log pi)."""
+    if rs is not None and mode == "seq-mean-token-mean" and "token_" in rs:
+        pytest.skip("refused: verl divides each sequence by its kept tokens (test_refuses_what_vcpo_cannot_reproduce)")
+    mask, mu, lp, adv = batch(7, b=8, spread=0.3)
+    counts = dict(dp_size=1, batch_num_tokens=int(mask.sum()), global_batch_size=mask.shape[0])
+    kw = dict(rollout_is=level, threshold=threshold, rollout_is_batch_normalize=normalize, rollout_rs=rs,
+              rollout_rs_threshold=rs_threshold)
+    ours = through_ppo_loss(actor_config("vcpo", mode, **kw), mask, mu, lp, adv, **counts)
+    theirs = through_ppo_loss(actor_config("bypass_mode", mode, loss_type="reinforce", **kw), mask, mu, lp, adv,
+                              **counts)
+    _, kept, _ = compute_rollout_correction_and_rejection_mask(lp, mu, mask, rollout_is=level,
+                                                               rollout_is_threshold=threshold, rollout_rs=rs,
+                                                               rollout_rs_threshold=rs_threshold)
+    if rs is not None:
+        assert 0 < kept.sum() < mask.sum()  # something rejected, something kept
+    torch.testing.assert_close(ours[1], theirs[1], rtol=1e-12, atol=1e-14)  # seen: 3e-16 of the largest
+
+
 def switch_overrides():
     """The command-line overrides docs/integrations.md gives as verl's switch (its verl section's bash block), as
     the shell splits them."""
@@ -288,8 +318,10 @@ def test_two_gloo_ranks_take_the_same_lr_scale(tmp_path, same):
 
 @pytest.mark.parametrize("change,match", [
     (dict(threshold="0.5_2.0"), "single rollout_correction.rollout_is_threshold"),
-    (dict(rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0"), "rollout_rs"),
-    (dict(rollout_is_batch_normalize=True), "rollout_is_batch_normalize"),
+    (dict(rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0", mode="seq-mean-token-mean"),
+     "token-level rollout_correction.rollout_rs"),
+    (dict(rollout_rs="seq_sum_k2"), "rollout_rs_threshold"),
+    (dict(rollout_rs="seq_max_k1", rollout_rs_threshold="2.0"), "rejection criterion"),
     (dict(rollout_is="geometric"), "rollout_is must be"),
     (dict(mode="token-sum"), "loss_agg_mode"),
 ])

@@ -15,12 +15,14 @@ import torch.distributed as dist
 from torch import Tensor
 from verl.trainer.ppo.core_algos import register_policy_loss
 
+from vcpo_kernels.ops import batch_normalizer
+
 from ..config import VCPOConfig
 from ..distributed import global_share
 from ..loss import policy_loss
 from ..lr import ess_lr_scale, scale_lr
 
-__all__ = ["LOSS_MODE", "vcpo_policy_loss", "loss_options", "VCPOAdamW"]
+__all__ = ["LOSS_MODE", "vcpo_policy_loss", "loss_options", "rejection_entries", "VCPOAdamW"]
 
 LOSS_MODE = "vcpo"  # actor.policy_loss.loss_mode
 
@@ -30,17 +32,22 @@ _SUMS: list[Tensor] = []
 
 def loss_options(config, loss_agg_mode: str) -> VCPOConfig:
     """The VCPOConfig of verl's actor config: the IS level and threshold C from
-    `policy_loss.rollout_correction` (`rollout_is`, `rollout_is_threshold`), the aggregation from `loss_agg_mode`,
-    `norm_length` from `loss_scale_factor`. What VCPO cannot reproduce raises ValueError naming verl's option."""
+    `policy_loss.rollout_correction` (`rollout_is`, `rollout_is_threshold`), its rejection criteria (`rollout_rs`,
+    `rollout_rs_threshold`) and batch normalisation (`rollout_is_batch_normalize`), the aggregation from
+    `loss_agg_mode`, `norm_length` from `loss_scale_factor`. What VCPO cannot reproduce raises ValueError naming
+    verl's option."""
     rc = config.policy_loss.get("rollout_correction", None) if config is not None else None
     if rc is None:
         raise ValueError("loss_mode='vcpo' needs actor.policy_loss.rollout_correction (its rollout_is and "
                          "rollout_is_threshold are VCPO's IS level and C)")
     level, threshold = rc.get("rollout_is", None), rc.get("rollout_is_threshold", 2.0)
+    rejection = ()
     if rc.get("rollout_rs", None) is not None:
-        raise ValueError(f"loss_mode='vcpo' does not support rollout_correction.rollout_rs={rc.get('rollout_rs')!r}")
-    if rc.get("rollout_is_batch_normalize", False):
-        raise ValueError("loss_mode='vcpo' does not support rollout_correction.rollout_is_batch_normalize=True")
+        rejection = rejection_entries(rc.get("rollout_rs"), rc.get("rollout_rs_threshold", None))
+        if loss_agg_mode == "seq-mean-token-mean" and any(name.startswith("token_") for name, _, _ in rejection):
+            # verl divides each sequence by its kept tokens; a rejected token keeps its place in L_i here
+            raise ValueError(f"loss_mode='vcpo' does not support a token-level rollout_correction.rollout_rs "
+                             f"({rc.get('rollout_rs')!r}) with loss_agg_mode='seq-mean-token-mean'")
     if level not in (None, "token", "sequence"):
         raise ValueError(f"rollout_correction.rollout_is must be None, 'token' or 'sequence', got {level!r}")
     try:
@@ -51,7 +58,8 @@ def loss_options(config, loss_agg_mode: str) -> VCPOConfig:
                          f"C), got {threshold!r}") from None
     factor = config.get("loss_scale_factor", None)
     return VCPOConfig(is_level=level or "sequence", is_correction="truncate" if level else "none",
-                      is_threshold=threshold, loss_agg_mode=loss_agg_mode, norm_length=factor)
+                      is_threshold=threshold, loss_agg_mode=loss_agg_mode, norm_length=factor, rejection=rejection,
+                      is_batch_normalize=bool(level) and bool(rc.get("rollout_is_batch_normalize", False)))
 
 
 def rejection_entries(rollout_rs: str, rollout_rs_threshold) -> tuple:
@@ -60,7 +68,7 @@ def rejection_entries(rollout_rs: str, rollout_rs_threshold) -> tuple:
     bounds -log r, so it keeps 1/hi <= r <= 1/lo: vcpo's bounds on r are (1/hi, 1/lo)."""
     names = list(dict.fromkeys(n.strip() for n in str(rollout_rs).split(",") if n.strip()))
     specs = [p.strip() for p in str(rollout_rs_threshold).split(",") if p.strip()]
-    if not names or len(specs) not in (1, len(names)):
+    if rollout_rs_threshold is None or not names or len(specs) not in (1, len(names)):
         raise ValueError(f"rollout_rs={rollout_rs!r} needs one rollout_rs_threshold or one per criterion, got "
                          f"{rollout_rs_threshold!r}")
     entries = []
@@ -114,20 +122,28 @@ def vcpo_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg
                          "and VCPO forms the weights itself")
     options = loss_options(config, loss_agg_mode)
     mask = response_mask.bool()
-    out = policy_loss(log_prob, old_log_prob.to(log_prob.dtype), config=options, mask=mask,
-                      advantages=_sequence_advantages(advantages, mask).to(log_prob.dtype))
+    out = policy_loss(log_prob, old_log_prob.to(log_prob.dtype), config=options.replace(is_batch_normalize=False),
+                      mask=mask, advantages=_sequence_advantages(advantages, mask).to(log_prob.dtype))
+    loss = out.loss
+    if options.is_batch_normalize:
+        # verl's mean: over this call's units and, when torch.distributed is initialised, every process's
+        units = (out.num_tokens if options.is_level == "token" else out.num_seqs).double()
+        coef = torch.stack([out.mean_is_coef.double() * units, units])
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(coef)
+        loss = loss / batch_normalizer(coef[0] / coef[1].clamp(min=1)).to(loss.dtype)
     info = config.global_batch_info
     dp = info.get("dp_size", None) or 1
     whole = info.get("batch_num_tokens" if loss_agg_mode == "token-mean" else "global_batch_size", None)
-    loss = out.loss
     if whole is not None:
         loss = loss * (dp * global_share(mask.sum(1), whole, loss_agg_mode)).to(loss.dtype)
     elif dp > 1:
         raise ValueError(f"loss_mode='vcpo' with dp_size={dp} needs verl's global batch counts (global_batch_info)")
     _SUMS.append(_log_sums(out.seq_log_weight.detach(), mask.any(1)))
-    stats = torch.stack([out.is_clip_fraction, out.mean_is_coef, out.kl_k3, out.ess_ratio]).double().tolist()
+    stats = torch.stack([out.is_clip_fraction, out.mean_is_coef, out.kl_k3, out.ess_ratio,
+                         out.rejected_fraction]).double().tolist()
     return loss, {f"actor/vcpo_{k}": v for k, v in zip(("is_clip_fraction", "mean_is_coef", "kl_k3",
-                                                         "micro_batch_ess_ratio"), stats)}
+                                                         "micro_batch_ess_ratio", "rejected_fraction"), stats)}
 
 
 class VCPOAdamW(torch.optim.AdamW):
