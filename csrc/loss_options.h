@@ -25,10 +25,12 @@ struct LossOptions {
   bool opob_length_norm;
   OpobWeight opob_weight;
   LossAgg loss_agg;
+  OpobAggregation opob_aggregation;  // the CUDA kernels have the mean only (refused in Python otherwise)
   double log_threshold, log_threshold_low;  // log C, log C_low
   double ess_base_ratio;
   std::optional<double> clip_low, clip_high, clip_c;  // PPO clipping and its dual clip, when on
   double norm_length;
+  double winsorize_low, winsorize_high;  // the quantiles of opob_aggregation = winsorized_mean
 };
 
 inline LossOptions unpack_loss_options(c10::ArrayRef<int64_t> codes, c10::ArrayRef<double> values,
@@ -46,13 +48,16 @@ inline LossOptions unpack_loss_options(c10::ArrayRef<int64_t> codes, c10::ArrayR
                      codes[kOpobLengthNorm] != 0,
                      static_cast<OpobWeight>(codes[kOpobWeight]),
                      static_cast<LossAgg>(codes[kLossAgg]),
+                     static_cast<OpobAggregation>(codes[kOpobAggregation]),
                      values[kLogThreshold],
                      values[kLogThresholdLow],
                      values[kEssBaseRatio],
                      given(values[kClipLow]),
                      given(values[kClipHigh]),
                      given(values[kClipC]),
-                     values[kNormLength]};
+                     values[kNormLength],
+                     values[kWinsorizeLow],
+                     values[kWinsorizeHigh]};
 }
 
 // What the per-token pass reads, in the type it computes in.

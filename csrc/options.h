@@ -12,6 +12,7 @@ enum class LrRule : int64_t { None = 0, Sqrt = 1, Linear = 2 };
 enum class Advantage : int64_t { Opob = 0, Grpo = 1, Rloo = 2, Reinforce = 3, None = 4, Given = 5 };
 enum class OpobWeight : int64_t { Raw = 0, Truncated = 1, ReferenceCompat = 2 };
 enum class LossAgg : int64_t { TokenMean = 0, SeqMeanTokenMean = 1, SeqMeanTokenSum = 2, SeqMeanTokenSumNorm = 3 };
+enum class OpobAggregation : int64_t { Mean = 0, Median = 1, WinsorizedMean = 2 };
 
 enum Scalar : int64_t {
   kEss = 0,
@@ -37,7 +38,8 @@ enum LossCode : int64_t {
   kOpobLengthNorm = 6,
   kOpobWeight = 7,
   kLossAgg = 8,
-  kNumLossCodes = 9,
+  kOpobAggregation = 9,
+  kNumLossCodes = 10,
 };
 enum LossValue : int64_t {
   kLogThreshold = 0,
@@ -47,7 +49,9 @@ enum LossValue : int64_t {
   kClipHigh = 4,
   kClipC = 5,
   kNormLength = 6,
-  kNumLossValues = 7,
+  kWinsorizeLow = 7,
+  kWinsorizeHigh = 8,
+  kNumLossValues = 9,
 };
 
 }  // namespace vcpo

@@ -22,7 +22,7 @@ def test_generated_header_is_current():
 def test_header_lists_every_code():
     header = options.cpp_header()
     for table in (options.IS_LEVELS, options.IS_CORRECTIONS, options.LR_RULES, options.ADVANTAGES,
-                  options.OPOB_WEIGHTS, options.LOSS_AGG_MODES):
+                  options.OPOB_WEIGHTS, options.LOSS_AGG_MODES, options.OPOB_AGGREGATIONS):
         for name, code in table.items():
             assert f"{options._camel(name)} = {code}" in header
     for names in (options.SCALAR_FIELDS, options.LOSS_CODES, options.LOSS_VALUES):
@@ -33,15 +33,17 @@ def test_header_lists_every_code():
 def test_packed_options_by_position():
     opts = vk.PolicyLossOptions(is_level="geometric", is_correction="mask", is_threshold=2.0, is_threshold_low=0.25,
                                 lr_rule="linear", advantage="rloo", clip_ratio=(0.1, 0.3), clip_ratio_c=3.0,
-                                loss_agg_mode="seq-mean-token-sum-norm", reference_compat=True)
+                                loss_agg_mode="seq-mean-token-sum-norm", reference_compat=True,
+                                opob_aggregation="winsorized_mean", opob_winsorize_quantiles=(0.2, 0.7))
     codes, values = opts.packed(16)
     code = dict(zip(options.LOSS_CODES, codes))
     value = dict(zip(options.LOSS_VALUES, values))
     assert len(codes) == len(options.LOSS_CODES) and len(values) == len(options.LOSS_VALUES)
     assert code == dict(is_level=2, is_correction=1, ess_on_corrected=0, lr_rule=2, advantage=2, norm_by_std=1,
-                        opob_length_norm=0, opob_weight=2, loss_agg=3)
+                        opob_length_norm=0, opob_weight=2, loss_agg=3, opob_aggregation=2)
     assert value == pytest.approx(dict(log_threshold=math.log(2.0), log_threshold_low=math.log(0.25),
-                                       ess_base_ratio=1.0, clip_low=0.1, clip_high=0.3, clip_c=3.0, norm_length=16.0))
+                                       ess_base_ratio=1.0, clip_low=0.1, clip_high=0.3, clip_c=3.0, norm_length=16.0,
+                                       winsorize_low=0.2, winsorize_high=0.7))
     _, values = vk.PolicyLossOptions().packed(None)
     off = dict(zip(options.LOSS_VALUES, values))
     assert all(math.isnan(off[k]) for k in ("clip_low", "clip_high", "clip_c")) and off["norm_length"] == 0.0

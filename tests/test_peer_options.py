@@ -179,18 +179,59 @@ def test_options_are_checked():
     assert vk.PolicyLossOptions(rejection=[["token_k1", 0.5, 2]]).rejection == (("token_k1", 0.5, 2.0),)
 
 
-@pytest.mark.parametrize("kw", [dict(opob_aggregation="median"), dict(rejection=(("token_k2", None, 1.0),))])
-def test_compiled_backends_refuse_what_they_lack(kw):
+@pytest.mark.parametrize("kw,lacking", [(dict(opob_aggregation="median"), ("triton",)),
+                                        (dict(rejection=(("token_k2", None, 1.0),)), ("cpu", "triton"))])
+def test_compiled_backends_refuse_what_they_lack(kw, lacking):
     batch = random_batch(0, "padded")
     opts = vk.PolicyLossOptions(**kw)
     name = next(iter(kw))
-    for backend in [b for b in ("cpu", "triton") if b in vk.available_backends("cpu")]:
+    for backend in [b for b in lacking if b in vk.available_backends("cpu")]:
         with pytest.raises(ValueError, match=f"backend='{backend}' does not support {name}"):
             vk.policy_loss(batch.logp, batch.behavior_logp, options=opts, backend=backend, **batch.kwargs())
     assert f"backend='cuda' does not support {name}" in opts.kernel_refusal("cuda")
-    auto = vk.policy_loss(batch.logp, batch.behavior_logp, options=opts, **batch.kwargs())  # the reference
-    ref = vk.policy_loss(batch.logp, batch.behavior_logp, options=opts, backend="torch", **batch.kwargs())
-    assert torch.equal(auto.loss, ref.loss)
+    if "cpu" in lacking:  # "auto" runs the reference
+        auto = vk.policy_loss(batch.logp, batch.behavior_logp, options=opts, **batch.kwargs())
+        ref = vk.policy_loss(batch.logp, batch.behavior_logp, options=opts, backend="torch", **batch.kwargs())
+        assert torch.equal(auto.loss, ref.loss)
+
+
+AGGREGATION_CASES = {k: v for k, v in NEW_CASES.items() if "opob_aggregation" in v and "rejection" not in v}
+
+
+@pytest.mark.skipif("cpu" not in vk.available_backends("cpu"), reason="the C++ extension is not built")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("name", list(AGGREGATION_CASES))
+def test_cpu_aggregations_match_the_reference(name, layout, dtype):
+    """The C++ op's median and winsorized mean against the float64 reference, on fresh batches with ties,
+    constant and one-member groups and an empty sequence, in float64, float32 and bfloat16."""
+    opts = vk.PolicyLossOptions(**AGGREGATION_CASES[name])
+    tol = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 1e-2}[dtype]
+    for seed in range(3):
+        batch = random_batch(seed, layout, dtype=dtype, with_old=seed == 2, spread=0.4, num_seqs=11)
+        want, want_grad = _run(opts, batch.to(torch.float64))
+        got, grad = _run(opts, batch, "cpu")
+        for key in ("loss", "baseline", "advantages", "ess_ratio", "mean_is_coef"):
+            torch.testing.assert_close(getattr(got, key).double(), getattr(want, key), rtol=tol, atol=tol / 10,
+                                       msg=key)
+        torch.testing.assert_close(grad.double(), want_grad, rtol=tol, atol=tol / 10, equal_nan=True)
+
+
+@pytest.mark.skipif("cpu" not in vk.available_backends("cpu"), reason="the C++ extension is not built")
+@pytest.mark.parametrize("aggregation", ["median", "winsorized_mean"])
+def test_cpu_aggregation_edge_cases(aggregation):
+    """All-zero, NaN and extreme weights, empty groups: the C++ per-group step gives the reference's values."""
+    batch = random_batch(6, "packed", dtype=torch.float64, num_seqs=10, groups=4)
+    flat = batch.behavior_logp.clone()
+    cu = batch.cu().tolist()
+    for i, shift in enumerate([1e4, -1e4, 0.0, 300.0, -300.0, 50.0, -math.inf, 2.0, -2.0, 0.5]):
+        flat[cu[i]:cu[i + 1]] = batch.logp[cu[i]:cu[i + 1]] - shift / max(cu[i + 1] - cu[i], 1)  # s_i = shift
+    batch.behavior_logp = flat
+    opts = vk.PolicyLossOptions(opob_aggregation=aggregation, is_correction="none")
+    want, _ = _run(opts, batch)
+    got, _ = _run(opts, batch, "cpu")
+    torch.testing.assert_close(got.baseline, want.baseline, rtol=1e-10, atol=1e-12, equal_nan=True)
+    torch.testing.assert_close(got.advantages, want.advantages, rtol=1e-10, atol=1e-12, equal_nan=True)
 
 
 def test_batch_normalize_on_every_backend():

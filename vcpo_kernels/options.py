@@ -19,14 +19,14 @@ OPOB_SCOPES = ("group", "batch")
 # Which log weight OPOB squares: s, min(s, log C) (opob_truncated_weights) or s + min(s, log C) (reference_compat).
 OPOB_WEIGHTS = {"raw": 0, "truncated": 1, "reference-compat": 2}
 # How OPOB forms b_g from the group's rewards and weights W_j (docs/contract.md, "Advantages").
-OPOB_AGGREGATIONS = ("mean", "median", "winsorized_mean")
+OPOB_AGGREGATIONS = {"mean": 0, "median": 1, "winsorized_mean": 2}
 # verl's rejection criteria (rollout_rs): the per-token divergence k1 = Delta, k2 = Delta^2 / 2,
 # k3 = exp(Delta) - 1 - Delta, taken per token or summed, averaged or maximised over the sequence.
 REJECTION_CRITERIA = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
                       "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
-# Options the compiled kernels do not have yet: with any of them away from its default, backend="auto" runs the
-# reference and "cpu", "triton", "cuda" raise (kernel_refusal).
-_REFERENCE_ONLY = ("opob_aggregation", "rejection")
+# Options not every compiled backend has yet, and those that have them: away from its default, an option refuses
+# the others (kernel_refusal), and backend="auto" runs the reference where "cpu" lacks it.
+_KERNEL_OPTIONS = {"opob_aggregation": ("cpu",), "rejection": ()}
 LOSS_AGG_MODES = {
     "token-mean": 0,
     "seq-mean-token-mean": 1,
@@ -50,9 +50,9 @@ SCALAR_FIELDS = (
 # The fused op's scalar options, packed by position into `int[] codes` and `float[] values` (an absent clip
 # bound is NaN); PolicyLossOptions.packed() fills them, csrc/loss_options.h unpacks them.
 LOSS_CODES = ("is_level", "is_correction", "ess_on_corrected", "lr_rule", "advantage", "norm_by_std",
-              "opob_length_norm", "opob_weight", "loss_agg")
+              "opob_length_norm", "opob_weight", "loss_agg", "opob_aggregation")
 LOSS_VALUES = ("log_threshold", "log_threshold_low", "ess_base_ratio", "clip_low", "clip_high", "clip_c",
-               "norm_length")
+               "norm_length", "winsorize_low", "winsorize_high")
 # C++ enum -> codes, for csrc/options.h.
 _ENUMS = {
     "IsLevel": IS_LEVELS,
@@ -61,6 +61,7 @@ _ENUMS = {
     "Advantage": {**ADVANTAGES, "given": GIVEN_ADVANTAGES},
     "OpobWeight": OPOB_WEIGHTS,
     "LossAgg": LOSS_AGG_MODES,
+    "OpobAggregation": OPOB_AGGREGATIONS,
 }
 
 
@@ -168,11 +169,13 @@ class PolicyLossOptions:
                      ess_on_corrected=int(self.ess_on_corrected), lr_rule=LR_RULES[self.lr_rule],
                      advantage=ADVANTAGES[self.advantage], norm_by_std=int(self.norm_by_std),
                      opob_length_norm=int(self.opob_length_norm), opob_weight=self.opob_weight_code,
-                     loss_agg=LOSS_AGG_MODES[self.loss_agg_mode])
+                     loss_agg=LOSS_AGG_MODES[self.loss_agg_mode],
+                     opob_aggregation=OPOB_AGGREGATIONS[self.opob_aggregation])
         values = dict(log_threshold=math.log(self.is_threshold), log_threshold_low=math.log(self.threshold_low),
                       ess_base_ratio=self.ess_base_ratio, clip_low=clip_low, clip_high=clip_high,
                       clip_c=math.nan if self.clip_ratio_c is None else float(self.clip_ratio_c),
-                      norm_length=0.0 if norm_length is None else float(norm_length))
+                      norm_length=0.0 if norm_length is None else float(norm_length),
+                      winsorize_low=self.opob_winsorize_quantiles[0], winsorize_high=self.opob_winsorize_quantiles[1])
         return [codes[k] for k in LOSS_CODES], [values[k] for k in LOSS_VALUES]
 
     def replace(self, **changes) -> "PolicyLossOptions":
@@ -185,8 +188,8 @@ class PolicyLossOptions:
 
     def kernel_refusal(self, backend: str) -> Optional[str]:
         """The error message of a compiled backend that lacks an option in use, or None."""
-        used = [name for name in _REFERENCE_ONLY
-                if getattr(self, name) != PolicyLossOptions.__dataclass_fields__[name].default]
+        used = [name for name, backends in _KERNEL_OPTIONS.items() if backend not in backends and
+                getattr(self, name) != PolicyLossOptions.__dataclass_fields__[name].default]
         if not used:
             return None
         return f"backend={backend!r} does not support {', '.join(used)} yet; use backend='torch' or 'auto'"

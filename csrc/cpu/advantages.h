@@ -2,6 +2,8 @@
 // Contract: docs/contract.md, "Advantages". Serial over B with fp64 group accumulators.
 #pragma once
 
+#include <algorithm>
+#include <limits>
 #include <vector>
 
 #include "common.h"
@@ -42,10 +44,42 @@ struct GroupMoments {
   }
 };
 
-// b_g = sum W R / sum W with log W_j = 2 lw_j + log G_j (- 2 log L_j), max-shifted per group.
+// opob_aggregation "median" / "winsorized_mean": b_g from weighted quantiles of the group's rewards, with
+// w_j = W_j / max W (1 for every member when all W_j are 0). The q-quantile is the smallest R_k whose running
+// weight F_k = sum_j w_j [R_j <= R_k] reaches q sum_j w_j (the largest R if rounding leaves none): O(n_g^2).
+inline double robust_baseline(const std::vector<double>& r, const std::vector<double>& w, OpobAggregation agg,
+                              double q_lo, double q_hi) {
+  const size_t n = r.size();
+  double total = 0, top = -kInf<double>;
+  for (size_t j = 0; j < n; ++j) {
+    total += w[j];
+    top = std::max(top, r[j]);
+  }
+  std::vector<double> cum(n, 0.0);
+  for (size_t k = 0; k < n; ++k) {
+    for (size_t j = 0; j < n; ++j) cum[k] += r[j] <= r[k] ? w[j] : 0.0;
+  }
+  auto quantile = [&](double q) {
+    double low = kInf<double>;
+    for (size_t k = 0; k < n; ++k) {
+      if (cum[k] >= q * total) low = std::min(low, r[k]);
+    }
+    return low == kInf<double> ? top : low;
+  };
+  if (agg == OpobAggregation::Median) return quantile(0.5);
+  // lo + sum w (clip(R, lo, hi) - lo) / sum w: exact for one-member and constant-reward groups
+  const double lo = quantile(q_lo), hi = quantile(q_hi);
+  double sum = 0;
+  for (size_t j = 0; j < n; ++j) sum += w[j] * (std::min(std::max(r[j], lo), hi) - lo);
+  return lo + sum / total;
+}
+
+// b_g = sum W R / sum W (or the weighted median or winsorized mean) with log W_j = 2 lw_j + log G_j
+// (- 2 log L_j), max-shifted per group.
 template <typename acc_t>
 void opob_baseline(const GroupInputs<acc_t>& in, const acc_t* log_weight, const acc_t* grad_sq_norm,
-                   bool length_norm, bool norm_by_std, acc_t* baseline, acc_t* advantages) {
+                   bool length_norm, bool norm_by_std, acc_t* baseline, acc_t* advantages,
+                   OpobAggregation aggregation = OpobAggregation::Mean, double q_lo = 0, double q_hi = 1) {
   const GroupMoments<acc_t> mom(in);
   std::vector<double> log_w(in.num_seqs, -kInf<double>);
   std::vector<double> shift(in.num_groups, -kInf<double>);
@@ -70,6 +104,21 @@ void opob_baseline(const GroupInputs<acc_t>& in, const acc_t* log_weight, const 
   for (int64_t g = 0; g < in.num_groups; ++g) {
     // Every W of the group is 0 (shift = -inf): fall back to the plain mean.
     baseline[g] = shift[g] == -kInf<double> ? mom.mean[g] : mom.mean[g] + sum_wd[g] / sum_w[g];
+  }
+  if (aggregation != OpobAggregation::Mean) {
+    std::vector<std::vector<double>> r(in.num_groups), w(in.num_groups);  // each group's members, in order
+    for (int64_t i = 0; i < in.num_seqs; ++i) {
+      if (!in.valid(i)) continue;
+      const int64_t g = in.group_of(i);
+      r[g].push_back(in.rewards[i]);
+      w[g].push_back(shift[g] == -kInf<double> ? 1.0 : std::exp(log_w[i] - shift[g]));
+    }
+    for (int64_t g = 0; g < in.num_groups; ++g) {
+      const bool bad = std::isnan(shift[g]) || shift[g] == kInf<double>;  // a NaN or +inf W_j
+      baseline[g] = r[g].empty() ? 0.0
+                    : bad        ? std::numeric_limits<double>::quiet_NaN()
+                                 : robust_baseline(r[g], w[g], aggregation, q_lo, q_hi);
+    }
   }
   for (int64_t i = 0; i < in.num_seqs; ++i) {
     if (!in.valid(i)) {

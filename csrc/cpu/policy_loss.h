@@ -88,7 +88,8 @@ void policy_loss_forward(const TokenView& v, const SequenceInputs& seq, const Lo
     for (int64_t i = 0; i < B; ++i) out.advantages[i] = length[i] > 0 ? given[i] : acc_t(0);
   } else if (o.advantage == Advantage::Opob) {
     opob_baseline(groups, s_opob.data(), static_cast<const acc_t*>(seq.grad_sq_norm), o.opob_length_norm,
-                  o.norm_by_std, out.baseline, out.advantages);
+                  o.norm_by_std, out.baseline, out.advantages, o.opob_aggregation, o.winsorize_low,
+                  o.winsorize_high);
   } else {
     classic_advantages(groups, o.advantage, o.norm_by_std, out.baseline, out.advantages);
   }
