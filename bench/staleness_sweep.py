@@ -75,7 +75,7 @@ def collapse_window(steps: int) -> int:
     return min(100, max(10, steps // 10))
 
 
-def collapse_step(rewards: list[float], window: int, fraction: float = 0.5, min_best: float = 0.2) -> Optional[int]:
+def collapse_step(rewards: list[float], window: int, fraction: float = 0.5, min_best: float = 0.05) -> Optional[int]:
     """A run collapsed at step t (1-based) when its trailing-`window` mean reward, having reached a best of at least
     `min_best`, falls below `fraction` x that best at t and stays below to the end of the run. None: no collapse."""
     smooth = rolling_mean(rewards, window)
@@ -285,7 +285,7 @@ def report(args) -> None:
         json.dump(table, f, indent=1)
     figures(described, args.out, collapse_window(args.steps))
     print(text + f"\n{len(described)} of {len(runs)} runs finished; collapse: the trailing "
-          f"{collapse_window(args.steps)}-step mean reward below half its best (>= 0.2) to the end; ESS lead: steps "
+          f"{collapse_window(args.steps)}-step mean reward below half its best (>= 0.05) to the end; ESS lead: steps "
           f"the same mean ESS ratio stayed below 0.5 before the collapse. Written to {args.out}/")
 
 
