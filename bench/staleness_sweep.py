@@ -1,7 +1,9 @@
 """The staleness sweep: the built-in task under each update rule at each bound k on the staleness, several seeds,
 plus the control a sceptic asks for first (each non-VCPO rule at VCPO's median effective learning rate).
 
-    .venv/bin/python bench/staleness_sweep.py --out runs/sweep --steps 300 --budget-minutes 240
+    .venv/bin/python bench/staleness_sweep.py --out runs/sweep --rules vcpo,seq-tis,grpo --ks 0,16,64 \
+        --seeds 0,1,2 --control-ks 64 --steps 400 --budget-minutes 85      # the sweep in bench/RESULTS.md
+    .venv/bin/python bench/staleness_sweep.py --out runs/sweep --budget-minutes 600   # the whole default grid
     .venv/bin/python bench/staleness_sweep.py --out runs/sweep --report-only
 
 Runs go one at a time (`vcpo train`, the main job's engine and core placement), seed by seed, so a cut-short
