@@ -11,6 +11,7 @@ from .codes import (ADVANTAGE_GRPO, ADVANTAGE_OPOB, ADVANTAGE_REINFORCE, ADVANTA
                     WEIGHT_TRUNCATED)
 
 BLOCK_SEQS = 1024
+BLOCK_PAIRS = 64  # members per side of a block of pairs in the weighted quantiles
 OPOB, REINFORCE, NONE = ADVANTAGES["opob"], ADVANTAGES["reinforce"], ADVANTAGES["none"]
 
 
@@ -100,6 +101,78 @@ def _group_stats(r_ptr, len_ptr, order_ptr, start_ptr, lw_ptr, gsq_ptr, stats_pt
 
 
 @triton.jit
+def _member_w(i, member, none, safe, lw_ptr, gsq_ptr, len_ptr, log_hi, HAS_GSQ: tl.constexpr,
+              LENGTH_NORM: tl.constexpr, WEIGHT: tl.constexpr):
+    """w_i = W_i / max W of the group (1 when every W is 0), 0 for non-members."""
+    log_w = opob_log_w(i, member, lw_ptr, gsq_ptr, len_ptr, log_hi, HAS_GSQ, LENGTH_NORM, WEIGHT)
+    return tl.where(member, tl.where(none, 1.0, tl.exp(log_w - safe)), 0.0)
+
+
+@triton.jit
+def _quantile(q, total, top, begin, end, r_ptr, order_ptr, len_ptr, lw_ptr, gsq_ptr, none, safe, log_hi,
+              HAS_GROUP: tl.constexpr, HAS_LEN: tl.constexpr, HAS_GSQ: tl.constexpr, LENGTH_NORM: tl.constexpr,
+              WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
+    """The smallest R_k whose running weight sum_j w_j [R_j <= R_k] reaches q total (top if none): blocks of
+    [BLOCK, BLOCK] pairs, O(n_g^2)."""
+    low = tl.full((), float("inf"), tl.float64)
+    for k0 in range(begin, end, BLOCK):
+        ik, mk = group_members(k0 + tl.arange(0, BLOCK), end, order_ptr, len_ptr, HAS_GROUP, HAS_LEN)
+        rk = tl.load(r_ptr + ik, mask=mk, other=0.0).to(tl.float64)
+        cum = tl.zeros((BLOCK,), tl.float64)
+        for j0 in range(begin, end, BLOCK):
+            ij, mj = group_members(j0 + tl.arange(0, BLOCK), end, order_ptr, len_ptr, HAS_GROUP, HAS_LEN)
+            rj = tl.load(r_ptr + ij, mask=mj, other=0.0).to(tl.float64)
+            wj = _member_w(ij, mj, none, safe, lw_ptr, gsq_ptr, len_ptr, log_hi, HAS_GSQ, LENGTH_NORM, WEIGHT)
+            cum += tl.sum(tl.where(rj[None, :] <= rk[:, None], wj[None, :], 0.0), 1)
+        low = tl.minimum(low, tl.min(tl.where(mk & (cum >= q * total), rk, float("inf")), 0))
+    return tl.where(low == float("inf"), top, low)
+
+
+@triton.jit
+def _robust_baseline(r_ptr, len_ptr, order_ptr, start_ptr, lw_ptr, gsq_ptr, stats_ptr, n, num_groups, log_hi,
+                     q_lo, q_hi, HAS_GROUP: tl.constexpr, HAS_LEN: tl.constexpr, HAS_GSQ: tl.constexpr,
+                     LENGTH_NORM: tl.constexpr, WEIGHT: tl.constexpr, MEDIAN: tl.constexpr, BLOCK: tl.constexpr):
+    # stats[3, g] = the weighted median or winsorized mean of group g (docs/contract.md, opob_aggregation)
+    g = tl.program_id(0)
+    begin = tl.zeros((), tl.int64)
+    end = tl.zeros((), tl.int64) + n
+    if HAS_GROUP:
+        begin = tl.load(start_ptr + g)
+        end = tl.load(start_ptr + g + 1)
+    shift = tl.full((), float("-inf"), tl.float64)
+    top = tl.full((), float("-inf"), tl.float64)
+    for first in range(begin, end, BLOCK):
+        i, member = group_members(first + tl.arange(0, BLOCK), end, order_ptr, len_ptr, HAS_GROUP, HAS_LEN)
+        log_w = opob_log_w(i, member, lw_ptr, gsq_ptr, len_ptr, log_hi, HAS_GSQ, LENGTH_NORM, WEIGHT)
+        shift = tl.maximum(shift, tl.max(tl.where(member, log_w, float("-inf")), 0))
+        r = tl.load(r_ptr + i, mask=member, other=0.0).to(tl.float64)
+        top = tl.maximum(top, tl.max(tl.where(member, r, float("-inf")), 0))
+    none = shift == float("-inf")
+    bad = (shift != shift) | (shift == float("inf"))  # a NaN or +inf W
+    safe = tl.where(none | bad, 0.0, shift)
+    total = tl.zeros((), tl.float64)
+    for first in range(begin, end, BLOCK):
+        i, member = group_members(first + tl.arange(0, BLOCK), end, order_ptr, len_ptr, HAS_GROUP, HAS_LEN)
+        total += tl.sum(_member_w(i, member, none, safe, lw_ptr, gsq_ptr, len_ptr, log_hi, HAS_GSQ, LENGTH_NORM,
+                                  WEIGHT), 0)
+    lo = _quantile(tl.where(MEDIAN, 0.5, q_lo), total, top, begin, end, r_ptr, order_ptr, len_ptr, lw_ptr, gsq_ptr,
+                   none, safe, log_hi, HAS_GROUP, HAS_LEN, HAS_GSQ, LENGTH_NORM, WEIGHT, BLOCK)
+    b = lo
+    if not MEDIAN:  # lo + sum w (clip(R, lo, hi) - lo) / sum w: exact for one member or equal rewards
+        hi = _quantile(q_hi, total, top, begin, end, r_ptr, order_ptr, len_ptr, lw_ptr, gsq_ptr, none, safe, log_hi,
+                       HAS_GROUP, HAS_LEN, HAS_GSQ, LENGTH_NORM, WEIGHT, BLOCK)
+        acc = tl.zeros((), tl.float64)
+        for first in range(begin, end, BLOCK):
+            i, member = group_members(first + tl.arange(0, BLOCK), end, order_ptr, len_ptr, HAS_GROUP, HAS_LEN)
+            w = _member_w(i, member, none, safe, lw_ptr, gsq_ptr, len_ptr, log_hi, HAS_GSQ, LENGTH_NORM, WEIGHT)
+            r = tl.load(r_ptr + i, mask=member, other=0.0).to(tl.float64)
+            acc += tl.sum(w * (tl.minimum(tl.maximum(r, lo), hi) - lo), 0)
+        b = lo + acc / total
+    b = tl.where(top == float("-inf"), 0.0, tl.where(bad, float("nan"), b))  # no member: 0
+    tl.store(stats_ptr + 3 * num_groups + g, b)
+
+
+@triton.jit
 def _advantages(r_ptr, len_ptr, g_ptr, stats_ptr, adv_ptr, n, num_groups, KIND: tl.constexpr,
                 NORM_BY_STD: tl.constexpr, HAS_GROUP: tl.constexpr, HAS_LEN: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -145,7 +218,8 @@ def members_by_group(group_index, num_groups: int):
 
 
 def advantages(kind: int, rewards, seq_length, group_index, num_groups: int, norm_by_std: bool, *,
-               log_weight=None, grad_sq_norm=None, length_norm=False, weight=0, log_hi=0.0):
+               log_weight=None, grad_sq_norm=None, length_norm=False, weight=0, log_hi=0.0, aggregation="mean",
+               quantiles=(0.05, 0.95)):
     """(b_g [num_groups], A_i [B]) in rewards' dtype; `log_weight` (and the OPOB options) for kind OPOB."""
     n = rewards.numel()
     device, dtype = rewards.device, rewards.dtype
@@ -160,6 +234,13 @@ def advantages(kind: int, rewards, seq_length, group_index, num_groups: int, nor
                             HAS_GROUP=group is not None, HAS_LEN=seq_length is not None, IS_OPOB=kind == OPOB,
                             HAS_GSQ=grad_sq_norm is not None, LENGTH_NORM=bool(length_norm), WEIGHT=weight,
                             BLOCK=BLOCK_SEQS)
+    if kind == OPOB and aggregation != "mean":
+        _robust_baseline[(groups,)](rewards, dummy if seq_length is None else seq_length, order, start, log_weight,
+                                    dummy if grad_sq_norm is None else grad_sq_norm, stats, n, groups, float(log_hi),
+                                    float(quantiles[0]), float(quantiles[1]), HAS_GROUP=group is not None,
+                                    HAS_LEN=seq_length is not None, HAS_GSQ=grad_sq_norm is not None,
+                                    LENGTH_NORM=bool(length_norm), WEIGHT=weight, MEDIAN=aggregation == "median",
+                                    BLOCK=BLOCK_PAIRS)
     adv = torch.empty(n, dtype=dtype, device=device)
     if n:
         _advantages[(triton.cdiv(n, BLOCK_SEQS),)](

@@ -258,7 +258,8 @@ class _PolicyLoss(torch.autograd.Function):
             baseline, adv = advantages(kind, seq.rewards, length, seq.group_index, seq.num_groups, opts.norm_by_std,
                                        log_weight=s if kind == OPOB else None, grad_sq_norm=seq.grad_sq_norm,
                                        length_norm=opts.opob_length_norm, weight=opts.opob_weight_code,
-                                       log_hi=log_hi)
+                                       log_hi=log_hi, aggregation=opts.opob_aggregation,
+                                       quantiles=opts.opob_winsorize_quantiles)
         token_pass = t.old_logp is not None or opts.is_level == "token"
         grid, args, scalars, flags = _token_args(t, plan, adv, gs, opts)
         partials = torch.zeros((max(grid, 1), 4), dtype=acc, device=device)
