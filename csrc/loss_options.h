@@ -15,6 +15,13 @@
 
 namespace vcpo {
 
+constexpr int64_t kNumRejection = 11;  // REJECTION_CRITERIA
+
+// The criteria of PolicyLossOptions.rejection, in REJECTION_CRITERIA order (vcpo_kernels/options.py).
+enum class Rejection : int64_t {
+  TokenK1, TokenK2, TokenK3, SeqSumK1, SeqSumK2, SeqSumK3, SeqMeanK1, SeqMeanK2, SeqMeanK3, SeqMaxK2, SeqMaxK3
+};
+
 struct LossOptions {
   IsLevel is_level;
   IsCorrection is_correction;
@@ -31,6 +38,11 @@ struct LossOptions {
   std::optional<double> clip_low, clip_high, clip_c;  // PPO clipping and its dual clip, when on
   double norm_length;
   double winsorize_low, winsorize_high;  // the quantiles of opob_aggregation = winsorized_mean
+  // The rejection criteria (bit j: criterion j of Rejection, the CPU kernels' only) and their bounds.
+  int64_t rejection;
+  double reject_low[kNumRejection], reject_high[kNumRejection];
+  bool rejects(Rejection j) const { return (rejection >> static_cast<int64_t>(j)) & 1; }
+  bool rejects_sequences() const { return rejection & ~int64_t(0b111); }  // beyond the token_k* bits
 };
 
 inline LossOptions unpack_loss_options(c10::ArrayRef<int64_t> codes, c10::ArrayRef<double> values,
@@ -39,7 +51,7 @@ inline LossOptions unpack_loss_options(c10::ArrayRef<int64_t> codes, c10::ArrayR
               int64_t(kNumLossCodes), " option codes and ", int64_t(kNumLossValues), " option values, got ",
               codes.size(), " and ", values.size(), ": pack them with PolicyLossOptions.packed()");
   auto given = [](double x) { return std::isnan(x) ? std::nullopt : std::optional<double>(x); };
-  return LossOptions{static_cast<IsLevel>(codes[kIsLevel]),
+  LossOptions o{static_cast<IsLevel>(codes[kIsLevel]),
                      static_cast<IsCorrection>(codes[kIsCorrection]),
                      codes[kEssOnCorrected] != 0,
                      static_cast<LrRule>(codes[kLrRule]),
@@ -57,7 +69,15 @@ inline LossOptions unpack_loss_options(c10::ArrayRef<int64_t> codes, c10::ArrayR
                      given(values[kClipC]),
                      values[kNormLength],
                      values[kWinsorizeLow],
-                     values[kWinsorizeHigh]};
+                     values[kWinsorizeHigh],
+                     codes[kRejection],
+                     {},
+                     {}};
+  for (int64_t j = 0; j < kNumRejection; ++j) {
+    o.reject_low[j] = values[kTokenK1Low + 2 * j];
+    o.reject_high[j] = values[kTokenK1Low + 2 * j + 1];
+  }
+  return o;
 }
 
 // What the per-token pass reads, in the type it computes in.
@@ -70,6 +90,9 @@ struct LossParams {
   real_t ratio_lo, ratio_hi;  // 1 - eps_low, 1 + eps_high
   bool dual_clip;
   real_t dual_c;
+  bool reject_k1, reject_k2, reject_k3;  // token_k1/k2/k3 criteria: log r in [k1_lo, k1_hi], k2 <= k2_hi, ...
+  real_t k1_lo, k1_hi, k2_hi, k3_hi;
+  bool token_reject() const { return reject_k1 || reject_k2 || reject_k3; }
 };
 
 template <typename real_t>
@@ -83,7 +106,14 @@ LossParams<real_t> loss_params(const LossOptions& o) {
                             static_cast<real_t>(1.0 - o.clip_low.value_or(0.0)),
                             static_cast<real_t>(1.0 + o.clip_high.value_or(0.0)),
                             clip && o.clip_c.has_value(),
-                            static_cast<real_t>(o.clip_c.value_or(0.0))};
+                            static_cast<real_t>(o.clip_c.value_or(0.0)),
+                            o.rejects(Rejection::TokenK1),
+                            o.rejects(Rejection::TokenK2),
+                            o.rejects(Rejection::TokenK3),
+                            static_cast<real_t>(o.reject_low[0]),
+                            static_cast<real_t>(o.reject_high[0]),
+                            static_cast<real_t>(o.reject_high[1]),
+                            static_cast<real_t>(o.reject_high[2])};
 }
 
 }  // namespace vcpo

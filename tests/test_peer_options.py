@@ -1,8 +1,9 @@
 """The options taken from the peers (docs/contract.md): the reference implementation's OPOB aggregations
 (`opob_aggregation` "median" / "winsorized_mean"), verl's rejection criteria (`rejection`) and IS batch
 normalisation (`is_batch_normalize`). The float64 reference against the loop oracle (tests/oracle.py) on fresh
-random batches and on edge cases; the criteria and the normalisation against verl's own functions; the compiled
-backends that lack an option refuse it by name.
+random batches and on edge cases; the C++ op (aggregations, rejection) and the Triton kernels (aggregations)
+against the reference in fp64, fp32 and bf16; the criteria and the normalisation against verl's own functions;
+the normalisation and the baselines over two gloo ranks; the backends that lack an option refuse it by name.
 
 The weighted quantile of the oracle walks the sorted rewards with a running weight, as the reference
 implementation's get_weighted_median / get_weighted_winsorized_mean do (recipe/fully_async_policy/
@@ -180,7 +181,7 @@ def test_options_are_checked():
 
 
 @pytest.mark.parametrize("kw,lacking", [(dict(opob_aggregation="median"), ()),
-                                        (dict(rejection=(("token_k2", None, 1.0),)), ("cpu", "triton"))])
+                                        (dict(rejection=(("token_k2", None, 1.0),)), ("triton",))])
 def test_compiled_backends_refuse_what_they_lack(kw, lacking):
     batch = random_batch(0, "padded")
     opts = vk.PolicyLossOptions(**kw)
@@ -196,6 +197,27 @@ def test_compiled_backends_refuse_what_they_lack(kw, lacking):
 
 
 AGGREGATION_CASES = {k: v for k, v in NEW_CASES.items() if "opob_aggregation" in v and "rejection" not in v}
+REJECTION_CASES = {k: v for k, v in NEW_CASES.items() if "rejection" in v}
+
+
+@pytest.mark.skipif("cpu" not in vk.available_backends("cpu"), reason="the C++ extension is not built")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("name", list(REJECTION_CASES))
+def test_cpu_rejection_matches_the_reference(name, layout, dtype):
+    """The C++ op's rejection criteria (token ones in its token pass, sequence ones before it) against the
+    float64 reference: loss, gradient, rejected_fraction and the IS statistics (which leave rejection out)."""
+    opts = vk.PolicyLossOptions(**REJECTION_CASES[name])
+    tol = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 1e-2}[dtype]
+    for seed in range(3):
+        # float64 values that bf16 / fp32 hold exactly, so that every criterion decides alike on both sides
+        batch = random_batch(seed, layout, dtype=dtype, with_old=seed == 2, spread=0.4, num_seqs=11)
+        want, want_grad = _run(opts, batch.to(torch.float64))
+        got, grad = _run(opts, batch, "cpu")
+        for key in ("loss", "rejected_fraction", "is_clip_fraction", "mean_is_coef", "ppo_clip_fraction"):
+            torch.testing.assert_close(getattr(got, key).double(), getattr(want, key), rtol=tol, atol=tol / 10,
+                                       msg=key)
+        torch.testing.assert_close(grad.double(), want_grad, rtol=tol, atol=tol / 10, equal_nan=True)
 
 
 COMPILED = [b for b in ("cpu", "triton") if b in vk.available_backends("cpu")]

@@ -26,7 +26,7 @@ REJECTION_CRITERIA = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum
                       "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
 # Options not every compiled backend has yet, and those that have them: away from its default, an option refuses
 # the others (kernel_refusal), and backend="auto" runs the reference where "cpu" lacks it.
-_KERNEL_OPTIONS = {"opob_aggregation": ("cpu", "triton"), "rejection": ()}
+_KERNEL_OPTIONS = {"opob_aggregation": ("cpu", "triton"), "rejection": ("cpu",)}
 LOSS_AGG_MODES = {
     "token-mean": 0,
     "seq-mean-token-mean": 1,
@@ -50,9 +50,13 @@ SCALAR_FIELDS = (
 # The fused op's scalar options, packed by position into `int[] codes` and `float[] values` (an absent clip
 # bound is NaN); PolicyLossOptions.packed() fills them, csrc/loss_options.h unpacks them.
 LOSS_CODES = ("is_level", "is_correction", "ess_on_corrected", "lr_rule", "advantage", "norm_by_std",
-              "opob_length_norm", "opob_weight", "loss_agg", "opob_aggregation")
+              "opob_length_norm", "opob_weight", "loss_agg", "opob_aggregation", "rejection")
+# The rejection criteria in use are the bits of code "rejection" (bit j: REJECTION_CRITERIA[j]); each has a low and
+# a high bound value, in that order and criterion order: log r bounds for k1 (the entries' intersection), the
+# least upper bound for k2 and k3 (low unused).
 LOSS_VALUES = ("log_threshold", "log_threshold_low", "ess_base_ratio", "clip_low", "clip_high", "clip_c",
-               "norm_length", "winsorize_low", "winsorize_high")
+               "norm_length", "winsorize_low", "winsorize_high") + tuple(
+                   f"{name}_{side}" for name in REJECTION_CRITERIA for side in ("low", "high"))
 # C++ enum -> codes, for csrc/options.h.
 _ENUMS = {
     "IsLevel": IS_LEVELS,
@@ -170,12 +174,23 @@ class PolicyLossOptions:
                      advantage=ADVANTAGES[self.advantage], norm_by_std=int(self.norm_by_std),
                      opob_length_norm=int(self.opob_length_norm), opob_weight=self.opob_weight_code,
                      loss_agg=LOSS_AGG_MODES[self.loss_agg_mode],
-                     opob_aggregation=OPOB_AGGREGATIONS[self.opob_aggregation])
+                     opob_aggregation=OPOB_AGGREGATIONS[self.opob_aggregation],
+                     rejection=0)
+        for name, _, _ in self.rejection:
+            codes["rejection"] |= 1 << REJECTION_CRITERIA.index(name)
         values = dict(log_threshold=math.log(self.is_threshold), log_threshold_low=math.log(self.threshold_low),
                       ess_base_ratio=self.ess_base_ratio, clip_low=clip_low, clip_high=clip_high,
                       clip_c=math.nan if self.clip_ratio_c is None else float(self.clip_ratio_c),
                       norm_length=0.0 if norm_length is None else float(norm_length),
                       winsorize_low=self.opob_winsorize_quantiles[0], winsorize_high=self.opob_winsorize_quantiles[1])
+        for name in REJECTION_CRITERIA:  # plain loops: torch.compile traces this
+            k1 = name.endswith("k1")
+            low, high = (-math.inf if k1 else 0.0), math.inf
+            for entry, lo, hi in self.rejection:
+                if entry == name:
+                    low = max(low, math.log(lo)) if k1 else low
+                    high = min(high, math.log(hi) if k1 else hi)
+            values[f"{name}_low"], values[f"{name}_high"] = low, high
         return [codes[k] for k in LOSS_CODES], [values[k] for k in LOSS_VALUES]
 
     def replace(self, **changes) -> "PolicyLossOptions":

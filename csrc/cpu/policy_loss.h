@@ -19,7 +19,35 @@ namespace vcpo {
 // sequence i has loss -c_i A_i and gradient -a_i c_i A_i, and no token pass is needed.
 template <typename acc_t>
 inline bool needs_token_pass(const TokenView& v, const LossParams<acc_t>& p) {
-  return v.old_logp != nullptr || p.level == IsLevel::Token;
+  return v.old_logp != nullptr || p.level == IsLevel::Token || p.token_reject();
+}
+
+// Whether a sequence-level rejection criterion (seq_sum / seq_mean / seq_max) rejects sequence i.
+template <typename lp_t, typename ref_t, typename acc_t>
+bool sequence_rejected(const TokenView& v, int64_t i, acc_t length, const LossOptions& o) {
+  const lp_t* lp = static_cast<const lp_t*>(v.logp);
+  const ref_t* mu = static_cast<const ref_t*>(v.behavior_logp);
+  const ref_t* old = static_cast<const ref_t*>(v.old_logp);
+  acc_t sum[3] = {0, 0, 0}, top[3] = {-kInf<acc_t>, -kInf<acc_t>, -kInf<acc_t>};
+  for (int64_t t = v.cu_seqlens[i]; t < v.cu_seqlens[i + 1]; ++t) {
+    if (v.mask != nullptr && !v.mask[t]) continue;
+    const acc_t d = (old ? load<acc_t>(old, t) : load<acc_t>(lp, t)) - load<acc_t>(mu, t);
+    const acc_t k[3] = {d, acc_t(0.5) * d * d, std::expm1(d) - d};
+    for (int j = 0; j < 3; ++j) {
+      sum[j] += k[j];
+      top[j] = max_keep_nan(top[j], k[j]);
+    }
+  }
+  auto fails = [&](Rejection r, int j, acc_t stat) {
+    const int64_t idx = static_cast<int64_t>(r);
+    if (!o.rejects(r)) return false;
+    return j == 0 ? !(stat >= o.reject_low[idx] && stat <= o.reject_high[idx]) : !(stat <= o.reject_high[idx]);
+  };
+  const Rejection sums[3] = {Rejection::SeqSumK1, Rejection::SeqSumK2, Rejection::SeqSumK3};
+  const Rejection means[3] = {Rejection::SeqMeanK1, Rejection::SeqMeanK2, Rejection::SeqMeanK3};
+  bool out = fails(Rejection::SeqMaxK2, 1, top[1]) || fails(Rejection::SeqMaxK3, 2, top[2]);
+  for (int j = 0; j < 3; ++j) out = out || fails(sums[j], j, sum[j]) || fails(means[j], j, sum[j] / length);
+  return out;
 }
 
 // Grain for at::parallel_for over sequences: small batches stay on one thread.
@@ -94,8 +122,17 @@ void policy_loss_forward(const TokenView& v, const SequenceInputs& seq, const Lo
     classic_advantages(groups, o.advantage, o.norm_by_std, out.baseline, out.advantages);
   }
 
-  // Sequence weights a_i of the aggregation and sequence-level IS coefficients c_i.
-  double seq_changed = 0, seq_coef = 0;
+  // Sequence weights a_i of the aggregation and sequence-level IS coefficients c_i; a sequence-level rejection
+  // criterion sets a_i c_i to 0 (after the IS statistics, which are those without rejection).
+  std::vector<char> seq_out(B, 0);
+  if (o.rejects_sequences()) {
+    at::parallel_for(0, B, grain, [&](int64_t a, int64_t b) {
+      for (int64_t i = a; i < b; ++i) {
+        seq_out[i] = length[i] > 0 && sequence_rejected<lp_t, ref_t, acc_t>(v, i, length[i], o);
+      }
+    });
+  }
+  double seq_changed = 0, seq_coef = 0, rejected = 0;
   for (int64_t i = 0; i < B; ++i) {
     if (!(length[i] > 0)) {
       out.grad_scale[i] = 0;
@@ -115,7 +152,8 @@ void policy_loss_forward(const TokenView& v, const SequenceInputs& seq, const Lo
       seq_changed += is_changed(lw, p);
       seq_coef += c;
     }
-    out.grad_scale[i] = static_cast<acc_t>(a * c);
+    out.grad_scale[i] = seq_out[i] ? acc_t(0) : static_cast<acc_t>(a * c);
+    rejected += seq_out[i] ? length[i] : 0.0;
   }
 
   // IS statistics are over the units the correction acts on: sequences, or tokens at token level.
@@ -124,8 +162,8 @@ void policy_loss_forward(const TokenView& v, const SequenceInputs& seq, const Lo
   double unit_changed = token_level ? 0 : seq_changed, unit_coef = token_level ? 0 : seq_coef;
   const double unit_count = token_level ? num_tokens : num_seqs;
   if (needs_token_pass(v, p)) {
-    std::vector<acc_t> tl(B), tc(B), tk(B), tp(B);
-    const TokenSums<acc_t> ts{tl.data(), tc.data(), tk.data(), tp.data()};
+    std::vector<acc_t> tl(B), tc(B), tk(B), tp(B), tr(B);
+    const TokenSums<acc_t> ts{tl.data(), tc.data(), tk.data(), tp.data(), tr.data()};
     at::parallel_for(0, B, grain, [&](int64_t a, int64_t b) {
       token_pass<false, lp_t, ref_t, acc_t>(v, a, b, out.advantages, out.grad_scale, p, ts, nullptr);
     });
@@ -133,6 +171,7 @@ void policy_loss_forward(const TokenView& v, const SequenceInputs& seq, const Lo
       if (!(length[i] > 0)) continue;
       if (out.grad_scale[i] != 0) loss += static_cast<double>(out.grad_scale[i]) * tl[i];  // c_i = 0: exactly 0
       ppo_clipped += tp[i];
+      rejected += seq_out[i] ? 0.0 : static_cast<double>(tr[i]);
       unit_changed += tc[i];
       unit_coef += tk[i];
     }
@@ -156,7 +195,7 @@ void policy_loss_forward(const TokenView& v, const SequenceInputs& seq, const Lo
   sc[kNumSeqs] = num_seqs;
   sc[kNumNonfinite] = nonfinite;
   sc[kPpoClipFraction] = num_tokens > 0 ? ppo_clipped / num_tokens : 0.0;
-  sc[kRejectedFraction] = 0.0;  // rejection criteria: the reference only (PolicyLossOptions.kernel_refusal)
+  sc[kRejectedFraction] = num_tokens > 0 ? rejected / num_tokens : 0.0;
 }
 
 // d loss / d logp for every token (zero on tokens that do not count).
@@ -167,7 +206,7 @@ void policy_loss_backward(const TokenView& v, acc_t grad_loss, const acc_t* grad
   const int64_t N = v.cu_seqlens[B];
   std::vector<acc_t> scale(B);
   for (int64_t i = 0; i < B; ++i) scale[i] = grad_loss * grad_scale[i];
-  const TokenSums<acc_t> unused{nullptr, nullptr, nullptr, nullptr};
+  const TokenSums<acc_t> unused{nullptr, nullptr, nullptr, nullptr, nullptr};
   at::parallel_for(0, B, sequence_grain(B, N), [&](int64_t a, int64_t b) {
     token_pass<true, lp_t, ref_t, acc_t>(v, a, b, adv, scale.data(), p, unused, grad);
   });

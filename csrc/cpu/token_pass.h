@@ -31,7 +31,16 @@ struct TokenSums {
   acc_t* changed;      // token-level units the IS correction changed
   acc_t* coef;         // sum_t c_tok
   acc_t* ppo_clipped;  // tokens on a PPO clip branch
+  acc_t* rejected;     // tokens a token_k* rejection criterion removed
 };
+
+// Whether a token_k* criterion rejects the token with log ratio d (a NaN statistic fails).
+template <typename acc_t>
+VCPO_INLINE bool token_rejected(acc_t d, const LossParams<acc_t>& p) {
+  const acc_t k2 = acc_t(0.5) * d * d, k3 = std::expm1(d) - d;
+  return (p.reject_k1 && !(d >= p.k1_lo && d <= p.k1_hi)) || (p.reject_k2 && !(k2 <= p.k2_hi)) ||
+         (p.reject_k3 && !(k3 <= p.k3_hi));
+}
 
 // One sequence. In the forward it accumulates the loss and statistics (WriteGrad = false); in the backward
 // it writes grad[t] = grad_scale * c * dp/dr * r (WriteGrad = true). grad_scale is a_i c_i (times the
@@ -48,8 +57,8 @@ VCPO_INLINE void token_pass_one(const TokenView& v, int64_t i, acc_t adv, acc_t 
   const int64_t begin = v.cu_seqlens[i], end = v.cu_seqlens[i + 1];
   const bool dual = p.dual_clip && adv < 0;
   const acc_t dual_limit = -adv * p.dual_c;
-  acc_t loss = 0, changed = 0, coef_sum = 0, clipped = 0;
-#pragma omp simd reduction(+ : loss, changed, coef_sum, clipped)
+  acc_t loss = 0, changed = 0, coef_sum = 0, clipped = 0, rejected = 0;
+#pragma omp simd reduction(+ : loss, changed, coef_sum, clipped, rejected)
   for (int64_t t = begin; t < end; ++t) {
     const bits_t counted = HasMask ? mask_bits<acc_t>(mask, t) : bits_t(-1);
     const acc_t cur = keep(load<acc_t>(lp, t), counted);
@@ -60,6 +69,11 @@ VCPO_INLINE void token_pass_one(const TokenView& v, int64_t i, acc_t adv, acc_t 
       c = is_coef(d, p);
       changed += keep(is_changed(d, p), counted);
       coef_sum += keep(c, counted);
+    }
+    if (p.token_reject()) {  // after the IS statistics: they are those without rejection
+      const bool out = token_rejected(keep(prox - load<acc_t>(mu, t), counted), p);
+      rejected += keep(out ? acc_t(1) : acc_t(0), counted);
+      c = out ? acc_t(0) : c;
     }
     // A unit the correction removed (c = 0) contributes exactly 0, even where r or the advantage are not
     // finite (e.g. lp_prox = -inf): selected away, never multiplied by 0.
@@ -89,6 +103,7 @@ VCPO_INLINE void token_pass_one(const TokenView& v, int64_t i, acc_t adv, acc_t 
     sums.changed[i] = changed;
     sums.coef[i] = coef_sum;
     sums.ppo_clipped[i] = clipped;
+    sums.rejected[i] = rejected;
   }
 }
 
