@@ -11,7 +11,8 @@ from batches import Batch
 
 COMPILED_BACKENDS = [b for b in vk.available_backends("cpu") if b != "torch"]
 FIELDS = ("loss", "ess", "ess_ratio", "lr_scale", "baseline", "advantages", "seq_log_weight", "is_clip_fraction",
-          "mean_is_coef", "kl_k3", "num_tokens", "num_seqs", "num_nonfinite", "ppo_clip_fraction")
+          "mean_is_coef", "kl_k3", "num_tokens", "num_seqs", "num_nonfinite", "ppo_clip_fraction",
+          "rejected_fraction")
 
 
 def poison_heap(*numels: int) -> None:
