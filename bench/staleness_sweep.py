@@ -249,13 +249,17 @@ def figures(described: dict[Run, dict], out: str, window: int) -> None:
             for row, key in ((0, "rewards"), (1, "ess")):
                 n = min(len(d[key]) for d in ds)
                 mean = [statistics.fmean(d[key][t] for d in ds) for t in range(n)]
-                axes[row][col].plot(range(1, n + 1), rolling_mean(mean, window), label=rule, lw=1)
+                axes[row][col].plot(range(1, n + 1), rolling_mean(mean, window), label=rule, lw=1,
+                                    color=f"C{rules.index(rule)}")  # one colour per rule in every panel
         axes[0][col].set_title(f"k = {k}")
         axes[1][col].set_xlabel("step")
     axes[0][0].set_ylabel(f"reward (trailing {window}-step mean)")
     axes[1][0].set_ylabel("ESS ratio (same smoothing)")
-    axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
+    handles = {}  # every rule once, whichever panels it is in
+    for ax in axes[0]:
+        handles.update(zip(*reversed(ax.get_legend_handles_labels())))
+    fig.legend(handles.values(), handles.keys(), loc="upper center", ncol=len(handles), fontsize=7)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(os.path.join(out, "curves.png"), dpi=110)
     plt.close(fig)
 
@@ -264,7 +268,8 @@ def figures(described: dict[Run, dict], out: str, window: int) -> None:
         points = [(k, mean_std([d["final_accuracy"] for run, d in described.items() if run.k == k and run.rule == rule]))
                   for k in ks]
         points = [(k, m, s) for k, (m, s) in points if not math.isnan(m)]
-        ax.errorbar([p[0] for p in points], [p[1] for p in points], [p[2] for p in points], label=rule, capsize=3)
+        ax.errorbar([p[0] for p in points], [p[1] for p in points], [p[2] for p in points], label=rule, capsize=3,
+                    color=f"C{rules.index(rule)}")
     ax.set_xlabel("k (staleness bound)")
     ax.set_ylabel("final held-out accuracy")
     ax.legend(fontsize=7)
