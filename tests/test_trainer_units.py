@@ -31,6 +31,8 @@ from vcpo.trainer.task import (PromptStream, addition_problems, exact_match, loa
     ({"engine": "server"}, "engine_urls"), ({"engine_servers": 2}, "engine_servers"),
     ({"engine": "server", "engine_servers": 1, "weight_swap": "later"}, "weight_swap"),
     ({"engine": "server", "engine_servers": 1, "engine_timeout": 0}, "engine_timeout"),
+    ({"engine": "server", "engine_servers": 1, "exact_staleness": True}, "exact_staleness"),
+    ({"exact_staleness": "yes"}, "exact_staleness"),
 ])
 def test_bad_settings_name_the_setting(change, name):
     with pytest.raises(ValueError, match=name):
@@ -371,7 +373,7 @@ def test_generated_batch_round_trips():
 
 # -- the producer with a fake engine --------------------------------------------------------------------------------
 def _drive(k: int, steps: int, gen_s: float, train_s: float, seed: int = 0, stop_at: int | None = None,
-           pending=(), next_batch=0, version=0, eval_s: float | None = None):
+           pending=(), next_batch=0, version=0, eval_s: float | None = None, exact: bool = False):
     """Run a producer against a trainer loop with random delays; returns (consumed batches, producer)."""
     rng = random.Random(seed)
     engine = {"version": version, "loads": []}
@@ -394,7 +396,7 @@ def _drive(k: int, steps: int, gen_s: float, train_s: float, seed: int = 0, stop
 
     prod = RolloutProducer(make_batch=make_batch, load_weights=load, max_staleness=k, version=version,
                            next_batch=next_batch, end_batch=steps, pending=list(pending), evaluate=evaluate,
-                           eval_every=2).start()
+                           eval_every=2, exact_staleness=exact).start()
     consumed = []
     try:
         for step in range(version, steps if stop_at is None else stop_at):
@@ -419,6 +421,21 @@ def test_producer_bounds_staleness_and_drops_nothing(k, fast):
         assert max(lags) == k
     if k == 0:
         assert lags == [0] * 40
+
+
+@pytest.mark.parametrize("k", [0, 1, 5])
+@pytest.mark.parametrize("fast", ["generation", "training"])
+def test_exact_staleness_gives_every_batch_lag_k_whichever_side_is_faster(k, fast):
+    gen_s, train_s = (0.001, 0.01) if fast == "generation" else (0.01, 0.001)
+    consumed, _ = _drive(k, steps=30, gen_s=gen_s, train_s=train_s, seed=k, exact=True)
+    assert [b.index for b in consumed] == list(range(30))
+    assert [b.index - b.version for b in consumed] == [min(j, k) for j in range(30)]
+
+
+def test_exact_staleness_refuses_concurrent_sync():
+    with pytest.raises(ValueError, match="exact staleness"):
+        RolloutProducer(make_batch=None, load_weights=None, max_staleness=2, version=0, next_batch=0, end_batch=4,
+                        concurrent_sync=True, exact_staleness=True)
 
 
 def test_producer_loads_weights_while_a_batch_is_generated():

@@ -42,6 +42,7 @@ SETTING_HELP = {
     "responses_per_prompt": "responses sampled per prompt (the group size)",
     "max_new_tokens": "default: 8 on the built-in task, else 512",
     "max_staleness": "k: the largest policy-version lag of a consumed sample (0 = synchronous)",
+    "exact_staleness": "the trainer also waits for the engine, so every batch from k on has lag exactly k",
     "seed": "prompt order, sampling seeds, initial RNG",
     "temperature": "sampling temperature of the rollouts and of vcpo eval's samples; the trainer's log-probs are "
                    "taken at it (the evaluation's greedy decoding is unchanged)",
@@ -97,7 +98,7 @@ def _train_parser(sub) -> argparse.ArgumentParser:
         if f.name == "vcpo":
             continue
         default = "" if f.default is None else f" [{f.default}]"
-        if f.name in ("ess_scaling", "opob", "fsdp"):
+        if hints[f.name] in (bool, typing.Optional[bool]):
             p.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, help=SETTING_HELP[f.name])
             continue
         if f.name == "ray":

@@ -65,6 +65,7 @@ class TrainConfig:
     responses_per_prompt: int = 8
     max_new_tokens: Optional[int] = None  # default 8 on the built-in task, 512 otherwise
     max_staleness: int = 4
+    exact_staleness: bool = False  # the trainer also waits: every batch from k on has lag exactly k (rollouts.py)
     seed: int = 0
     # sampling (docs/trainer.md, "Sampling settings"): the trainer's log-probs are taken at the same temperature
     temperature: float = 1.0
@@ -187,6 +188,11 @@ class TrainConfig:
             v = getattr(self, name)
             if v is not None:
                 parse_cores(v, name)
+        if self.exact_staleness not in (True, False):
+            raise ValueError(f"exact_staleness must be true or false, got {self.exact_staleness!r}")
+        if self.exact_staleness and self.engine == "server":
+            raise ValueError("exact_staleness needs engine process or inprocess: a server loads weights while it "
+                             "generates, so a batch's tokens span versions")
         if self.trainer_ranks > 1 and self.engine == "inprocess":
             raise ValueError("trainer_ranks > 1 needs engine process or server: an in-process vLLM engine takes over "
                              "torch.distributed in the trainer's process")

@@ -3,7 +3,10 @@
 Policy version v = number of optimizer steps taken. Step j consumes rollout batch j and produces version j+1.
 Batch j may start generating only once the engine holds version j - k or newer (k = max_staleness): admission
 is paced, nothing is dropped, and every rollout carries the version of the weights it was sampled with, so its
-lag j - version lies in [0, k]. k = 0 is synchronous on-policy training.
+lag j - version lies in [0, k]. k = 0 is synchronous on-policy training. With exact staleness the trainer also
+waits for the engine: version v is published only once batch v - 1 + k has started on version v - 1, so every
+batch from k on has lag exactly k, whichever of the two is faster (a sweep over k then compares rules at the same
+lag, not at lags set by their step times).
 
 Weights go into the engine between batches (engine: process or inprocess: each rollout has one version), or,
 for an engine that takes them while it generates (engine: server), as soon as they are published: a rollout
@@ -83,8 +86,11 @@ class RolloutProducer:
                  load_weights: Callable[[dict, int], None], max_staleness: int, version: int, next_batch: int,
                  end_batch: int, pending: list[GeneratedBatch] = (),
                  evaluate: Optional[Callable[[int], tuple]] = None, eval_every: int = 0,
-                 concurrent_sync: bool = False) -> None:
+                 concurrent_sync: bool = False, exact_staleness: bool = False) -> None:
+        if exact_staleness and concurrent_sync:
+            raise ValueError("exact staleness needs weights loaded between batches (not concurrent_sync)")
         self.make_batch, self.load_weights, self.k = make_batch, load_weights, max_staleness
+        self.exact_staleness = exact_staleness
         self.concurrent_sync = concurrent_sync
         self.evaluate, self.eval_every = evaluate, eval_every
         self.version = version  # the trainer's latest published version
@@ -113,11 +119,18 @@ class RolloutProducer:
         return self
 
     # -- trainer side ---------------------------------------------------------------------------------------
-    def publish(self, version: int, weights: dict) -> None:
-        """The trainer's weights after its `version`-th step (tensors the trainer will not modify)."""
+    def publish(self, version: int, weights: dict) -> float:
+        """The trainer's weights after its `version`-th step (tensors the trainer will not modify). Returns the
+        seconds it waited: with exact staleness, until batch version - 1 + k has started on version - 1."""
+        t0 = time.perf_counter()
         with self._cond:
+            if self.exact_staleness:
+                while (self.next_batch < min(version - 1 + self.k + 1, self.end_batch) and self.error is None
+                       and not self._stop):
+                    self._cond.wait(timeout=0.2)
             self.version, self._weights = version, weights
             self._cond.notify_all()
+        return time.perf_counter() - t0
 
     def take(self, index: int, should_stop: Callable[[], bool] = lambda: False) -> Optional[GeneratedBatch]:
         """Block until batch `index` is generated; None if should_stop() turns true first."""
@@ -227,6 +240,7 @@ class RolloutProducer:
                     continue  # weights published meanwhile (say, during an evaluation) go in first
                 index, version = self.next_batch, self.engine_version
                 self.next_batch = index + 1
+                self._cond.notify_all()  # an exact-staleness publish waits for this start
             if between_batches:
                 self._generate(index, version)
             else:

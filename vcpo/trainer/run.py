@@ -118,7 +118,8 @@ def _train(cfg: TrainConfig, ranks: TrainerRanks, resume: bool, log: Callable[[s
                 load_weights=engine.load_weights, max_staleness=cfg.max_staleness, version=state.step,
                 next_batch=state.next_batch, end_batch=cfg.steps, pending=state.pending,
                 evaluate=(lambda version: held_out(engine, task)) if problems.eval else None,
-                eval_every=cfg.eval_every, concurrent_sync=cfg.engine == "server")
+                eval_every=cfg.eval_every, concurrent_sync=cfg.engine == "server",
+                exact_staleness=cfg.exact_staleness)
             clock = _Clock(elapsed=state.elapsed)
             interrupt.during_steps = True  # a first signal now lets the step finish, then checkpoints
 
@@ -403,8 +404,8 @@ def _train_step(policy: Policy, ranks: TrainerRanks, pad_id: int, producer: Roll
     rb = policy.rollout_batch(batch.rollouts, pad_id)
     m = policy.step(ranks.scatter(rb))
     state.step += 1
-    producer.publish(state.step, policy.weights())
-    now = time.perf_counter()
+    paced = producer.publish(state.step, policy.weights())  # > 0 only with exact staleness
+    now = time.perf_counter() - paced
     lag = state.step - 1 - batch.version
     state.lag_hist[lag] += 1
     stats = producer.stats
@@ -416,7 +417,7 @@ def _train_step(policy: Policy, ranks: TrainerRanks, pad_id: int, producer: Roll
         "response_length": float(rb.loss_mask.sum(1).float().mean()),
         **{k: m[k] for k in STEP_METRICS}, **reward_metrics(batch.rollouts),
         "lr": cfg.resolved_lr() * m["lr_scale"],
-        "wait_seconds": waited, "train_seconds": now - t_train,
+        "wait_seconds": waited + paced, "train_seconds": now - t_train,
         "generate_seconds_total": stats.generate_seconds, "sync_seconds_total": stats.sync_seconds,
         "syncs": stats.syncs, **_pool_metrics(engine, batch),
         "generated_tokens_per_second": clock.token_rate(stats.generated_tokens),
