@@ -5,6 +5,10 @@ plus the control a sceptic asks for first (each non-VCPO rule at VCPO's median e
         --seeds 0,1,2 --control-ks 64 --steps 400 --budget-minutes 85      # the sweep in bench/RESULTS.md
     .venv/bin/python bench/staleness_sweep.py --out runs/sweep --budget-minutes 600   # the whole default grid
     .venv/bin/python bench/staleness_sweep.py --out runs/sweep --report-only
+    .venv/bin/python bench/staleness_sweep.py --out runs/sweep-exact ... -- --exact-staleness   # every rule at lag k
+
+Without `--exact-staleness` k only bounds the lag: a rule with a slower step (VCPO's exact norms) lets the engine
+run further ahead, so it trains on older samples than the others at the same k (the table's mean lag says how old).
 
 Runs go one at a time (`vcpo train`, the main job's engine and core placement), seed by seed, so a cut-short
 sweep has whole tables for its first seeds. A finished run (summary.json, not interrupted) is skipped; an
