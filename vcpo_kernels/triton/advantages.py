@@ -27,6 +27,17 @@ def opob_log_weight(s, log_hi, WEIGHT: tl.constexpr):
 
 
 @triton.jit
+def group_range(start_ptr, g, n, HAS_GROUP: tl.constexpr):
+    """[begin, end) of group g's run in the sorted order (the whole batch without groups)."""
+    begin = tl.zeros((), tl.int64)
+    end = tl.zeros((), tl.int64) + n
+    if HAS_GROUP:
+        begin = tl.load(start_ptr + g)
+        end = tl.load(start_ptr + g + 1)
+    return begin, end
+
+
+@triton.jit
 def group_members(k, end, order_ptr, len_ptr, HAS_GROUP: tl.constexpr, HAS_LEN: tl.constexpr):
     """(sequence index, whether it is a valid member) of positions k < end of a group's run in the sorted order."""
     inside = k < end
@@ -58,11 +69,7 @@ def _group_stats(r_ptr, len_ptr, order_ptr, start_ptr, lw_ptr, gsq_ptr, stats_pt
     # stats[:, g] = (count, mean, population variance, baseline) of group g's valid members, read from its run
     # order[start[g]:start[g + 1]] of the sorted order (the whole batch without groups)
     g = tl.program_id(0)
-    begin = tl.zeros((), tl.int64)
-    end = tl.zeros((), tl.int64) + n
-    if HAS_GROUP:
-        begin = tl.load(start_ptr + g)
-        end = tl.load(start_ptr + g + 1)
+    begin, end = group_range(start_ptr, g, n, HAS_GROUP)
     count = tl.zeros((), tl.float64)
     total = tl.zeros((), tl.float64)
     for first in range(begin, end, BLOCK):
@@ -134,11 +141,7 @@ def _robust_baseline(r_ptr, len_ptr, order_ptr, start_ptr, lw_ptr, gsq_ptr, stat
                      LENGTH_NORM: tl.constexpr, WEIGHT: tl.constexpr, MEDIAN: tl.constexpr, BLOCK: tl.constexpr):
     # stats[3, g] = the weighted median or winsorized mean of group g (docs/contract.md, opob_aggregation)
     g = tl.program_id(0)
-    begin = tl.zeros((), tl.int64)
-    end = tl.zeros((), tl.int64) + n
-    if HAS_GROUP:
-        begin = tl.load(start_ptr + g)
-        end = tl.load(start_ptr + g + 1)
+    begin, end = group_range(start_ptr, g, n, HAS_GROUP)
     shift = tl.full((), float("-inf"), tl.float64)
     top = tl.full((), float("-inf"), tl.float64)
     for first in range(begin, end, BLOCK):
