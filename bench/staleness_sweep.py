@@ -43,6 +43,13 @@ RULES = {
     "mis": ["--loss", "mis"],
     "ppo": ["--loss", "ppo"],
 }
+# VCPO with another OPOB weight or aggregation (VCPOConfig's options): measured on request, not in the default grid
+OPOB_VARIANTS = {
+    "vcpo-opob-truncated": ["--loss", "vcpo", "--opob-truncated-weights", "true"],
+    "vcpo-opob-median": ["--loss", "vcpo", "--opob-aggregation", "median"],
+}
+GRID = list(RULES)
+RULES.update(OPOB_VARIANTS)
 CONTROL = "@vcpo-lr"  # suffix of a control run: the rule at lr x VCPO's median lr scale (same k, same seed)
 CONTROLLED = ("seq-tis", "grpo", "token-tis", "mis", "ppo")
 
@@ -313,7 +320,8 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/sweep", help="the sweep's folder: one run folder per (rule, k, seed)")
-    p.add_argument("--rules", type=names, default=list(RULES))
+    p.add_argument("--rules", type=names, default=GRID, help=f"default: {','.join(GRID)}; also: "
+                   f"{','.join(OPOB_VARIANTS)}")
     p.add_argument("--ks", type=ints, default=[0, 4, 16, 32, 64])
     p.add_argument("--seeds", type=ints, default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=300)

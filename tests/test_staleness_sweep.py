@@ -175,3 +175,25 @@ def test_report_aggregates_over_seeds(tmp_path, monkeypatch, capsys):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_every_rule_is_the_loss_it_names(monkeypatch):
+    """Each rule's `vcpo train` arguments parse, and the VCPO variants differ from `vcpo` in their one option."""
+    import vcpo.trainer.run
+    from vcpo.cli import main
+
+    configs = {}
+    def train(cfg, **kwargs):
+        configs[rule] = cfg.vcpo_config()  # and no summary, as on a trainer rank > 0
+
+    monkeypatch.setattr(vcpo.trainer.run, "train", train)
+    for rule, argv in sweep.RULES.items():
+        assert main(["train", *argv]) == 0
+    base = vars(configs["vcpo"])
+    changed = {rule: {k: v for k, v in vars(c).items() if base[k] != v} for rule, c in configs.items()}
+    assert changed["vcpo-opob-truncated"] == {"opob_truncated_weights": True}
+    assert changed["vcpo-opob-median"] == {"opob_aggregation": "median"}
+    assert changed["vcpo-no-ess"] == {"lr_rule": None}
+    assert changed["vcpo-no-opob"] == {"advantage": "grpo", "grad_norms": "uniform"}
+    assert base["advantage"] == "opob" and base["lr_rule"] == "sqrt"
+    assert sweep.GRID == [r for r in sweep.RULES if r not in sweep.OPOB_VARIANTS]

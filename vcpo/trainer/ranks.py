@@ -9,6 +9,7 @@ resumes with any number of ranks."""
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 from typing import Optional
 
@@ -122,8 +123,14 @@ class TrainerRanks:
         return self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
 
     def close(self) -> None:
+        """Every rank, at the end: leave together, and free the process group while Python still runs. A gloo group
+        still referenced at the interpreter's exit aborts its process now and then ("terminate called without an
+        active exception"), most often on a rank that leaves while rank 0 is still stopping the engine."""
         if self.world > 1 and dist.is_initialized():
+            dist.barrier(group=self.group)
+            self.group = None
             dist.destroy_process_group()
+            gc.collect()
 
 
 def _split(batch: RolloutBatch, world: int, wire: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
