@@ -6,6 +6,7 @@ plus the control a sceptic asks for first (each non-VCPO rule at VCPO's median e
     .venv/bin/python bench/staleness_sweep.py --out runs/sweep --budget-minutes 600   # the whole default grid
     .venv/bin/python bench/staleness_sweep.py --out runs/sweep --report-only
     .venv/bin/python bench/staleness_sweep.py --out runs/sweep-exact ... -- --exact-staleness   # every rule at lag k
+    .venv/bin/python bench/staleness_sweep.py --rules vcpo,vcpo-opob-truncated,vcpo-opob-median ...  # OPOB variants
 
 Without `--exact-staleness` k only bounds the lag: a rule with a slower step (VCPO's exact norms) lets the engine
 run further ahead, so it trains on older samples than the others at the same k (the table's mean lag says how old).

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -104,6 +105,11 @@ from vcpo.step import RolloutBatch
 from vcpo.trainer.ranks import TrainerRanks
 
 ranks = TrainerRanks(2, 4, timeout_s=60)
+if sys.argv[1] == "fail":  # rank 0 fails before its stop, the other rank waits for a batch
+    if ranks.main:
+        ranks.close(ended=False)
+        sys.exit("rank 0 failed")
+    ranks.receive()
 g = torch.Generator().manual_seed(int(sys.argv[1]))
 for _ in range(20):
     ids, logp, rewards = torch.randint(0, 50, (8, 5), generator=g), torch.randn(8, 5, generator=g), torch.randn(8, generator=g)
@@ -128,7 +134,8 @@ print("rank", ranks.rank, "done", flush=True)
 
 
 def test_ranks_get_their_prompt_groups_and_exit_cleanly(tmp_path):
-    """Rank 0's batches reach each rank as its whole prompt groups, and both ranks exit with 0. Before close() freed
+    """Rank 0's batches reach each rank as its whole prompt groups, and both ranks exit with 0; a rank 0 that fails
+    before its stop message ends the launch at once. Before close() freed
     the gloo group while Python still ran, about 1 launch of this script in 16 aborted a rank at exit ("terminate
     called without an active exception"; the 2-rank trainer tests, with more collectives, more often)."""
     script = tmp_path / "ranks.py"
@@ -138,3 +145,8 @@ def test_ranks_get_their_prompt_groups_and_exit_cleanly(tmp_path):
                                str(script), str(seed)], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
         assert "rank 0 done" in proc.stdout and "rank 1 done" in proc.stdout
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script), "fail"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "rank 0 failed" in proc.stderr
+    assert time.monotonic() - started < 40, "a failed rank waited for the others (the collective timeout is 60 s)"

@@ -122,13 +122,16 @@ class TrainerRanks:
         """Where the messages live: NCCL moves CUDA tensors, gloo CPU ones."""
         return self.device if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
 
-    def close(self) -> None:
-        """Every rank, at the end: leave together, and free the process group while Python still runs. A gloo group
-        still referenced at the interpreter's exit aborts its process now and then ("terminate called without an
-        active exception"), most often on a rank that leaves while rank 0 is still stopping the engine."""
+    def close(self, ended: bool = True) -> None:
+        """Every rank, at the end: free the process group while Python still runs, after the others have `ended`
+        too (a barrier: only after a run that ended, as a failed rank's peers may be inside another collective).
+        A gloo group still referenced when the interpreter exits aborts its process now and then ("terminate
+        called without an active exception"), most often on a rank that leaves while rank 0 is still stopping
+        the engine."""
         if self.world > 1 and dist.is_initialized():
-            dist.barrier(group=self.group)
-            self.group = None
+            if ended:
+                dist.barrier(group=self.group)
+            self.group, self.on_save = None, None  # on_save holds the Policy, which holds the group
             dist.destroy_process_group()
             gc.collect()
 

@@ -72,9 +72,12 @@ def train(cfg: TrainConfig, *, resume: bool = False, log: Callable[[str], None] 
     # collectives wait for rank 0's next batch: as long as generation may take before a server is marked down
     ranks = TrainerRanks(cfg.trainer_ranks, cfg.prompts_per_step, timeout_s=max(1800.0, 2 * cfg.engine_timeout))
     try:
-        return _train(cfg, ranks, resume, log, progress) if ranks.main else _follow(cfg, ranks, resume)
-    finally:
-        ranks.close()
+        summary = _train(cfg, ranks, resume, log, progress) if ranks.main else _follow(cfg, ranks, resume)
+    except BaseException:
+        ranks.close(ended=False)
+        raise
+    ranks.close()
+    return summary
 
 
 def _follow(cfg: TrainConfig, ranks: TrainerRanks, resume: bool) -> None:
