@@ -7,15 +7,20 @@ plus the control a sceptic asks for first (each non-VCPO rule at VCPO's median e
     .venv/bin/python bench/staleness_sweep.py --out runs/sweep --report-only
     .venv/bin/python bench/staleness_sweep.py --out runs/sweep-exact ... -- --exact-staleness   # every rule at lag k
     .venv/bin/python bench/staleness_sweep.py --rules vcpo,vcpo-opob-truncated,vcpo-opob-median ...  # OPOB variants
+    .venv/bin/python bench/staleness_sweep.py --out runs/sweep5 --rules vcpo,seq-tis,grpo,vcpo-no-opob \
+        --ks 0,4,16,64 --seeds 0,1,2,3,4 --control-ks 4,16,64 --steps 400 -- --exact-staleness   # bench/results/sweep
 
 Without `--exact-staleness` k only bounds the lag: a rule with a slower step (VCPO's exact norms) lets the engine
 run further ahead, so it trains on older samples than the others at the same k (the table's mean lag says how old).
 
 Runs go one at a time (`vcpo train`, the main job's engine and core placement), seed by seed, so a cut-short
-sweep has whole tables for its first seeds. A finished run (summary.json, not interrupted) is skipped; an
-unfinished one is resumed. Before each run the budget is checked against the median duration of the runs done so
-far. The report (OUT/sweep.md, OUT/sweep.json, OUT/curves.png, OUT/accuracy.png) is written from the run folders
-alone. Definitions (collapse, the ESS lead time) are in `collapse_step` and `ess_lead`.
+sweep has whole tables for its first seeds. Each finished run leaves its summary in the summaries folder
+(`--summaries`, default bench/results/sweep/, one JSON file per run, committed to the repository: the facts the
+report needs, its curves and the commit that ran it), so a sweep outlives its run folders and grows across days
+and machines: a run with a summary is skipped, an unfinished one is resumed from its folder. Before each run the
+budget is checked against the median duration of the runs done so far. The report (OUT/sweep.md, OUT/sweep.json,
+OUT/curves.png, OUT/accuracy.png) is written from the summaries alone. Definitions (collapse, the ESS lead time)
+are in `collapse_step` and `ess_lead`.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ GRID = list(RULES)
 RULES.update(OPOB_VARIANTS)
 CONTROL = "@vcpo-lr"  # suffix of a control run: the rule at lr x VCPO's median lr scale (same k, same seed)
 CONTROLLED = ("seq-tis", "grpo", "token-tis", "mis", "ppo")
+SUMMARIES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "sweep")
 
 
 @dataclass(frozen=True)
@@ -121,13 +127,54 @@ def ess_lead(ess: list[float], collapse: Optional[int], window: int, level: floa
     return t - start
 
 
-def mean_std(values: list[float]) -> tuple[float, float]:
+# Student's t quantiles t(0.975, df) for df = 1..30 (beyond, the normal 1.96): the half-width of a 95% interval of
+# a mean of n values is t(0.975, n - 1) x std / sqrt(n).
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def mean_ci(values: list[float]) -> tuple[float, float, float]:
+    """Mean, standard deviation and the half-width of the 95% interval of the mean (NaN for fewer than 2 values)."""
+    values = [v for v in values if not math.isnan(v)]
     if not values:
-        return math.nan, math.nan
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+        return math.nan, math.nan, math.nan
+    if len(values) == 1:
+        return values[0], math.nan, math.nan
+    std = statistics.stdev(values)
+    t = T975[len(values) - 2] if len(values) - 1 <= len(T975) else 1.96
+    return statistics.fmean(values), std, t * std / math.sqrt(len(values))
 
 
 # -- one run ------------------------------------------------------------------------------------------------------
+def code_commit() -> str:
+    """The commit of the code that runs the sweep, with "-dirty" when its Python or C++ sources differ from it."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", "-C", repo, *argv], capture_output=True, text=True).stdout.strip()
+    head = git("rev-parse", "HEAD") or "unknown"
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", "vcpo", "vcpo_kernels", "csrc", "setup.py")
+    return head + ("-dirty" if changed else "")
+
+
+def summary_path(args, run: Run) -> str:
+    return os.path.join(args.summaries, run.name + ".json")
+
+
+def read_summary(args, run: Run) -> Optional[dict]:
+    """The run's summary in the summaries folder, if it was run with these settings; a summary of the same run
+    with other settings is an error (a sweep with other settings needs its own folder)."""
+    path = summary_path(args, run)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        summary = json.load(f)
+    if summary["steps"] != args.steps or summary["train_args"] != args.train_args or summary["base_lr"] != args.lr:
+        raise SystemExit(f"{path} is {run.name} with other settings (steps {summary['steps']}, train args "
+                         f"{summary['train_args']}, lr {summary['base_lr']}) than this sweep's (steps {args.steps}, "
+                         f"train args {args.train_args}, lr {args.lr}): pass another --summaries folder")
+    return summary
+
+
 def finished(folder: str, steps: int) -> bool:
     path = os.path.join(folder, "summary.json")
     if not os.path.isfile(path):
@@ -136,20 +183,54 @@ def finished(folder: str, steps: int) -> bool:
     return not summary["interrupted"] and summary["steps"] >= steps
 
 
-def control_lr(out: str, run: Run, lr: float) -> float:
+def summarize(folder: str, run: Run, args, commit: str) -> dict:
+    """The facts of a finished run that the report needs, its curves (per step: reward, ESS ratio, lr scale; the
+    held-out evaluations as [version, wall seconds, accuracy]) and what ran it."""
+    rows = read_metrics(folder)
+    summary = json.load(open(os.path.join(folder, "summary.json")))
+    config = json.load(open(os.path.join(folder, "config.json")))
+    window = collapse_window(args.steps)
+    rewards, ess = [r["reward"] for r in rows], [r["ess_ratio"] for r in rows]
+    collapse = collapse_step(rewards, window)
+    tail = rows[-max(1, len(rows) // 10):]
+    final = summary["final_eval"] or {}
+    evals = [[r["eval_version"], r["wall_seconds"], r["eval_accuracy"]] for r in rows if "eval_accuracy" in r]
+    if final:
+        evals.append([final["version"], summary["wall_seconds"], final["accuracy"]])
+    return {"rule": run.rule, "k": run.k, "seed": run.seed, "steps": summary["steps"],
+            "final_accuracy": final.get("accuracy", math.nan), "eval_size": config["settings"]["eval_size"],
+            "reward_last10": statistics.fmean(r["reward"] for r in tail),  # the mean over the last 10% of the steps
+            "collapsed_at": collapse, "ess_lead": ess_lead(ess, collapse, window),
+            "ess_median": statistics.median(ess), "lr_scale_median": statistics.median(r["lr_scale"] for r in rows),
+            "mean_lag": statistics.fmean(r["lag"] for r in rows), "lr": config["lr"], "base_lr": args.lr,
+            "wall_s": summary["wall_seconds"], "commit": commit, "train_args": args.train_args,
+            "evals": evals, "rewards": [round(v, 5) for v in rewards], "ess": [round(v, 5) for v in ess],
+            "lr_scale": [round(r["lr_scale"], 5) for r in rows]}
+
+
+def write_summary(args, run: Run, summary: dict) -> None:
+    os.makedirs(args.summaries, exist_ok=True)
+    path = summary_path(args, run)
+    with open(path + ".tmp", "w") as f:
+        json.dump(summary, f, indent=0)
+    os.replace(path + ".tmp", path)
+
+
+def control_lr(args, run: Run) -> float:
     """lr x the median lr scale of the VCPO run at the same k and seed (which ran before)."""
-    vcpo = os.path.join(out, Run("vcpo", run.k, run.seed).name)
-    rows = read_metrics(vcpo)
-    if not rows:
-        raise RuntimeError(f"{run.name} needs the finished VCPO run {vcpo} for its learning rate")
-    return lr * statistics.median(r["lr_scale"] for r in rows)
+    vcpo = Run("vcpo", run.k, run.seed)
+    summary = read_summary(args, vcpo)
+    if summary is None:
+        raise RuntimeError(f"{run.name} needs the finished VCPO run {vcpo.name} ({summary_path(args, vcpo)}) for its "
+                           f"learning rate")
+    return args.lr * summary["lr_scale_median"]
 
 
-def train_args(out: str, run: Run, args) -> list[str]:
-    folder = os.path.join(out, run.name)
+def train_args(run: Run, args) -> list[str]:
+    folder = os.path.join(args.out, run.name)
     if os.path.isfile(os.path.join(folder, "config.json")):  # started before: continue it
         return ["--resume", folder, "--no-progress"]
-    lr = control_lr(out, run, args.lr) if run.rule.endswith(CONTROL) else args.lr
+    lr = control_lr(args, run) if run.rule.endswith(CONTROL) else args.lr
     return [*RULES[run.base_rule], "--max-staleness", str(run.k), "--seed", str(run.seed), "--steps",
             str(args.steps), "--lr", repr(lr), "--output-dir", folder, "--no-progress", *args.train_args]
 
@@ -157,10 +238,14 @@ def train_args(out: str, run: Run, args) -> list[str]:
 def sweep(args) -> None:
     runs = plan(args.rules, args.ks, args.seeds, args.control_ks)
     os.makedirs(args.out, exist_ok=True)
+    commit = code_commit()
     t0, durations = time.monotonic(), []
     for i, run in enumerate(runs, 1):
         folder = os.path.join(args.out, run.name)
-        if finished(folder, args.steps):
+        if read_summary(args, run) is not None:
+            continue
+        if finished(folder, args.steps):  # finished, but stopped before its summary was written
+            write_summary(args, run, summarize(folder, run, args, commit))
             continue
         spent = (time.monotonic() - t0) / 60
         expected = statistics.median(durations) / 60 if durations else 0.0
@@ -172,90 +257,96 @@ def sweep(args) -> None:
         started = time.monotonic()
         log_path = os.path.join(args.out, run.name + ".log")
         with open(log_path, "a") as log:
-            code = subprocess.call([sys.executable, "-m", "vcpo.cli", "train", *train_args(args.out, run, args)],
+            code = subprocess.call([sys.executable, "-m", "vcpo.cli", "train", *train_args(run, args)],
                                    stdout=log, stderr=subprocess.STDOUT)
         durations.append(time.monotonic() - started)
         if code != 0:
             raise SystemExit(f"{run.name} failed (exit {code}); its log: {log_path}")
-        rows = read_metrics(folder)
-        tail = rows[-max(1, len(rows) // 10):]
+        summary = summarize(folder, run, args, commit)
+        write_summary(args, run, summary)
         print(f"[{i}/{len(runs)}] {run.name}: {durations[-1]:.0f} s, reward over the last 10% "
-              f"{statistics.fmean(r['reward'] for r in tail):.3f}", flush=True)
+              f"{summary['reward_last10']:.3f}, final accuracy {summary['final_accuracy']:.3f}", flush=True)
 
 
 # -- the report ---------------------------------------------------------------------------------------------------
-def describe_run(folder: str, steps: int) -> dict:
-    """The facts of one finished run that the tables aggregate."""
-    rows = read_metrics(folder)
-    summary = json.load(open(os.path.join(folder, "summary.json")))
-    config = json.load(open(os.path.join(folder, "config.json")))
-    window = collapse_window(steps)
-    rewards, ess = [r["reward"] for r in rows], [r["ess_ratio"] for r in rows]
-    collapse = collapse_step(rewards, window)
-    tail = rows[-max(1, len(rows) // 10):]
-    return {"final_accuracy": (summary["final_eval"] or {}).get("accuracy", math.nan),
-            "eval_size": config["settings"]["eval_size"], "lr": config["lr"],
-            "reward_last_10pct": statistics.fmean(r["reward"] for r in tail),
-            "collapse_step": collapse, "ess_lead": ess_lead(ess, collapse, window),
-            "ess_ratio_median": statistics.median(ess),
-            "lr_scale_median": statistics.median(r["lr_scale"] for r in rows),
-            "lag_mean": statistics.fmean(r["lag"] for r in rows),
-            "wall_seconds": summary["wall_seconds"], "rewards": rewards, "ess": ess}
-
-
-def aggregate(described: dict[Run, dict]) -> list[dict]:
+def aggregate(summaries: dict[Run, dict]) -> list[dict]:
     """One row per (rule, k) over its seeds."""
     cells: dict[tuple[str, int], list[dict]] = {}
-    for run, d in described.items():
+    for run, d in summaries.items():
         cells.setdefault((run.rule, run.k), []).append(d)
     table = []
     for (rule, k), ds in sorted(cells.items(), key=lambda c: (c[0][1], c[0][0])):
-        acc = mean_std([d["final_accuracy"] for d in ds])
+        acc = mean_ci([d["final_accuracy"] for d in ds])
         p = acc[0]
-        collapses = [d["collapse_step"] for d in ds if d["collapse_step"] is not None]
-        leads = [d["ess_lead"] for d in ds if d["collapse_step"] is not None]
+        collapsed = [d for d in ds if d["collapsed_at"] is not None]
         table.append({
             "rule": rule, "k": k, "seeds": len(ds), "final_accuracy": acc,
             # the binomial standard error of one evaluation on eval_size prompts, at the mean accuracy
             "eval_noise": math.sqrt(p * (1 - p) / ds[0]["eval_size"]) if 0 <= p <= 1 else math.nan,
-            "reward_last_10pct": mean_std([d["reward_last_10pct"] for d in ds]),
-            "collapses": len(collapses), "collapse_steps": collapses, "ess_leads": leads,
-            "ess_ratio_median": statistics.median(d["ess_ratio_median"] for d in ds),
+            "reward_last10": mean_ci([d["reward_last10"] for d in ds]),
+            "collapses": len(collapsed), "collapse_steps": [d["collapsed_at"] for d in collapsed],
+            "ess_leads": [d["ess_lead"] for d in collapsed],
+            "ess_median": statistics.median(d["ess_median"] for d in ds),
             "lr_scale_median": statistics.median(d["lr_scale_median"] for d in ds),
             "lr": statistics.median(d["lr"] for d in ds),
-            "lag_mean": statistics.fmean(d["lag_mean"] for d in ds),
-            "wall_seconds": statistics.fmean(d["wall_seconds"] for d in ds)})
+            "mean_lag": statistics.fmean(d["mean_lag"] for d in ds),
+            "wall_s": statistics.fmean(d["wall_s"] for d in ds),
+            "commits": sorted({d["commit"] for d in ds})})
     return table
 
 
-def markdown(table: list[dict]) -> str:
-    lines = ["| rule | k | seeds | final acc (mean +- std) | eval noise | reward last 10% | collapses (step; ESS lead) "
-             "| ESS ratio med | lr scale med | lr | mean lag | wall s |", "|" + "---|" * 12]
+def paired(summaries: dict[Run, dict], key: str = "final_accuracy") -> list[dict]:
+    """VCPO minus each other rule at the same k, seed by seed (every rule runs on the same seeds): the mean
+    difference of `key` with its 95% interval, over the seeds both ran."""
+    rows = []
+    for k in sorted({run.k for run in summaries}):
+        for rule in sorted({run.rule for run in summaries if run.k == k and run.rule != "vcpo"}):
+            diffs = [summaries[Run("vcpo", k, run.seed)][key] - d[key] for run, d in summaries.items()
+                     if run.k == k and run.rule == rule and Run("vcpo", k, run.seed) in summaries]
+            if diffs:
+                mean, _, half = mean_ci(diffs)
+                rows.append({"k": k, "rule": rule, "seeds": len(diffs), "diff": mean, "ci95": half,
+                             "vcpo_ahead": sum(d > 0 for d in diffs)})
+    return rows
+
+
+def _pm(cell: tuple[float, float, float]) -> str:
+    mean, _, half = cell
+    return f"{mean:.3f}" if math.isnan(half) else f"{mean:.3f} +- {half:.3f}"
+
+
+def markdown(table: list[dict], pairs: list[dict]) -> str:
+    lines = ["| rule | k | seeds | final acc (mean +- 95% CI) | eval noise | reward last 10% (+- 95% CI) | collapses "
+             "(step; ESS lead) | ESS ratio med | lr scale med | lr | mean lag | wall s |", "|" + "---|" * 12]
     for row in table:
         falls = ", ".join(f"{s}; {'-' if lead is None else lead}"
                           for s, lead in zip(row["collapse_steps"], row["ess_leads"]))
-        lines.append(f"| {row['rule']} | {row['k']} | {row['seeds']} | {row['final_accuracy'][0]:.3f} +- "
-                     f"{row['final_accuracy'][1]:.3f} | {row['eval_noise']:.3f} | {row['reward_last_10pct'][0]:.3f} +- "
-                     f"{row['reward_last_10pct'][1]:.3f} | {row['collapses']}{f' ({falls})' if falls else ''} | "
-                     f"{row['ess_ratio_median']:.3f} | {row['lr_scale_median']:.3f} | {row['lr']:.2e} | "
-                     f"{row['lag_mean']:.1f} | {row['wall_seconds']:.0f} |")
+        lines.append(f"| {row['rule']} | {row['k']} | {row['seeds']} | {_pm(row['final_accuracy'])} | "
+                     f"{row['eval_noise']:.3f} | {_pm(row['reward_last10'])} | "
+                     f"{row['collapses']}{f' ({falls})' if falls else ''} | {row['ess_median']:.3f} | "
+                     f"{row['lr_scale_median']:.3f} | {row['lr']:.2e} | {row['mean_lag']:.1f} | {row['wall_s']:.0f} |")
+    if pairs:
+        lines += ["", "Paired by seed, VCPO minus the rule (final held-out accuracy):", "",
+                  "| k | rule | seeds | VCPO - rule (mean +- 95% CI) | seeds with VCPO ahead |", "|---|---|---|---|---|"]
+        lines += [f"| {p['k']} | {p['rule']} | {p['seeds']} | {_pm((p['diff'], 0.0, p['ci95']))} | "
+                  f"{p['vcpo_ahead']} of {p['seeds']} |" for p in pairs]
     return "\n".join(lines) + "\n"
 
 
-def figures(described: dict[Run, dict], out: str, window: int) -> None:
+def figures(summaries: dict[Run, dict], out: str, window: int) -> None:
     """curves.png: the seed-mean trailing reward against step, a panel per k, the ESS ratio below; accuracy.png:
-    the final held-out accuracy against k per rule."""
+    the final held-out accuracy against k per rule (mean and 95% interval over the seeds)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ks = sorted({run.k for run in described})
-    rules = sorted({run.rule for run in described})
+    ks = sorted({run.k for run in summaries})
+    rules = sorted({run.rule for run in summaries})
     fig, axes = plt.subplots(2, len(ks), figsize=(4 * len(ks), 7), squeeze=False, sharey="row")
     for col, k in enumerate(ks):
         for rule in rules:
-            ds = [d for run, d in described.items() if run.k == k and run.rule == rule]
+            ds = [d for run, d in summaries.items() if run.k == k and run.rule == rule]
             if not ds:
                 continue
             for row, key in ((0, "rewards"), (1, "ess")):
@@ -277,13 +368,13 @@ def figures(described: dict[Run, dict], out: str, window: int) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for rule in rules:
-        points = [(k, mean_std([d["final_accuracy"] for run, d in described.items() if run.k == k and run.rule == rule]))
+        points = [(k, mean_ci([d["final_accuracy"] for run, d in summaries.items() if run.k == k and run.rule == rule]))
                   for k in ks]
-        points = [(k, m, s) for k, (m, s) in points if not math.isnan(m)]
+        points = [(k, m, 0.0 if math.isnan(h) else h) for k, (m, _, h) in points if not math.isnan(m)]
         ax.errorbar([p[0] for p in points], [p[1] for p in points], [p[2] for p in points], label=rule, capsize=3,
                     color=f"C{rules.index(rule)}")
     ax.set_xlabel("k (staleness bound)")
-    ax.set_ylabel("final held-out accuracy")
+    ax.set_ylabel("final held-out accuracy (95% CI)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "accuracy.png"), dpi=110)
@@ -292,20 +383,22 @@ def figures(described: dict[Run, dict], out: str, window: int) -> None:
 
 def report(args) -> None:
     runs = plan(args.rules, args.ks, args.seeds, args.control_ks)
-    described = {run: describe_run(os.path.join(args.out, run.name), args.steps) for run in runs
-                 if finished(os.path.join(args.out, run.name), args.steps)}
-    if not described:
-        raise SystemExit(f"{args.out}: no finished run of this grid yet")
-    table = aggregate(described)
-    text = markdown(table)
+    summaries = {run: s for run in runs if (s := read_summary(args, run)) is not None}
+    if not summaries:
+        raise SystemExit(f"{args.summaries}: no finished run of this grid yet")
+    table, pairs = aggregate(summaries), paired(summaries)
+    text = markdown(table, pairs)
+    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "sweep.md"), "w") as f:
         f.write(text)
     with open(os.path.join(args.out, "sweep.json"), "w") as f:
-        json.dump(table, f, indent=1)
-    figures(described, args.out, collapse_window(args.steps))
-    print(text + f"\n{len(described)} of {len(runs)} runs finished; collapse: the trailing "
-          f"{collapse_window(args.steps)}-step mean reward below half its best (>= 0.05) to the end; ESS lead: steps "
-          f"the same mean ESS ratio stayed below 0.5 before the collapse. Written to {args.out}/")
+        json.dump({"cells": table, "paired": pairs}, f, indent=1)
+    figures(summaries, args.out, collapse_window(args.steps))
+    commits = sorted({s["commit"] for s in summaries.values()})
+    print(text + f"\n{len(summaries)} of {len(runs)} runs finished (code: {', '.join(c[:12] for c in commits)}); "
+          f"collapse: the trailing {collapse_window(args.steps)}-step mean reward below half its best (>= 0.05) to "
+          f"the end; ESS lead: steps the same mean ESS ratio stayed below 0.5 before the collapse. Written to "
+          f"{args.out}/")
 
 
 def main() -> None:
@@ -321,6 +414,8 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/sweep", help="the sweep's folder: one run folder per (rule, k, seed)")
+    p.add_argument("--summaries", default=SUMMARIES,
+                   help="one JSON summary per finished run, kept across sweeps (default: bench/results/sweep)")
     p.add_argument("--rules", type=names, default=GRID, help=f"default: {','.join(GRID)}; also: "
                    f"{','.join(OPOB_VARIANTS)}")
     p.add_argument("--ks", type=ints, default=[0, 4, 16, 32, 64])

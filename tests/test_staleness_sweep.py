@@ -7,6 +7,7 @@ import json
 import math
 import os
 import random
+import shutil
 import statistics
 import sys
 from types import SimpleNamespace
@@ -106,13 +107,13 @@ def fake_train(calls, steps, lr_scale=0.5):
                                     "lr_scale": lr_scale + 0.01 * (t % 3)}) + "\n")
         with open(os.path.join(folder, "summary.json"), "w") as f:
             json.dump({"interrupted": False, "steps": steps, "wall_seconds": 1.0,
-                       "final_eval": {"accuracy": 0.5 + 0.1 * ("vcpo" in folder)}}, f)
+                       "final_eval": {"version": steps, "accuracy": 0.5 + 0.1 * ("vcpo" in folder)}}, f)
         return 0
     return call
 
 
 def args_for(out, **kw):
-    base = dict(out=str(out), rules=["vcpo", "grpo"], ks=[0, 4], seeds=[0, 1], control_ks=[4], steps=20, lr=1e-3,
+    base = dict(out=str(out), summaries=str(out / "summaries"), rules=["vcpo", "grpo"], ks=[0, 4], seeds=[0, 1], control_ks=[4], steps=20, lr=1e-3,
                 budget_minutes=None, train_args=["--eval-size", "100"], report_only=False)
     return SimpleNamespace(**{**base, **kw})
 
@@ -132,8 +133,77 @@ def test_sweep_skips_finished_runs_resumes_started_ones_and_sets_the_control_lr(
 
     calls.clear()
     os.remove(tmp_path / "grpo-k4-s1" / "summary.json")  # a run that stopped before its end
+    os.remove(tmp_path / "summaries" / "grpo-k4-s1.json")
     sweep.sweep(args)
     assert calls == [["--resume", str(tmp_path / "grpo-k4-s1"), "--no-progress"]]
+
+    calls.clear()
+    os.remove(tmp_path / "summaries" / "vcpo-k0-s0.json")  # finished, but killed before its summary was written
+    sweep.sweep(args)
+    assert calls == [] and os.path.isfile(tmp_path / "summaries" / "vcpo-k0-s0.json")
+
+
+def test_summaries_carry_the_facts_and_outlive_the_run_folders(tmp_path, monkeypatch):
+    monkeypatch.setattr(sweep.subprocess, "call", fake_train([], steps=20))
+    args = args_for(tmp_path)
+    sweep.sweep(args)
+    summary = json.load(open(tmp_path / "summaries" / "vcpo-k4-s1.json"))
+    assert {"rule", "k", "seed", "final_accuracy", "reward_last10", "collapsed_at", "ess_median", "lr_scale_median",
+            "mean_lag", "wall_s", "commit"} <= set(summary)
+    assert (summary["rule"], summary["k"], summary["seed"], summary["steps"]) == ("vcpo", 4, 1, 20)
+    assert summary["final_accuracy"] == pytest.approx(0.6)
+    assert summary["reward_last10"] == pytest.approx(statistics.fmean([18 / 20, 19 / 20]))
+    assert summary["rewards"] == [pytest.approx(t / 20) for t in range(20)]
+    assert summary["evals"] == [[20, 1.0, pytest.approx(0.6)]]
+    assert len(summary["commit"]) >= 40  # this repository's HEAD
+
+    for run in sweep.plan(args.rules, args.ks, args.seeds, args.control_ks):  # the run folders are lost
+        shutil.rmtree(tmp_path / run.name)
+    calls = []
+    monkeypatch.setattr(sweep.subprocess, "call", fake_train(calls, steps=20))
+    sweep.sweep(args)
+    assert calls == []  # nothing runs again
+    sweep.report(args)
+    assert json.load(open(tmp_path / "sweep.json"))["cells"]
+
+
+def test_a_summary_with_other_settings_is_refused_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(sweep.subprocess, "call", fake_train([], steps=20))
+    sweep.sweep(args_for(tmp_path, rules=["vcpo"], ks=[0], seeds=[0]))
+    with pytest.raises(SystemExit, match="vcpo-k0-s0.json"):
+        sweep.sweep(args_for(tmp_path, rules=["vcpo"], ks=[0], seeds=[0], steps=30))
+
+
+def test_mean_ci_covers_the_mean_95_percent_of_the_time():
+    rng = random.Random(3)
+    for n in (2, 5, 12):
+        covered = 0
+        for _ in range(3000):
+            mean, _, half = sweep.mean_ci([rng.gauss(1.0, 2.0) for _ in range(n)])
+            covered += abs(mean - 1.0) <= half
+        assert 0.935 < covered / 3000 < 0.965, n
+    assert sweep.mean_ci([0.5])[0] == 0.5 and math.isnan(sweep.mean_ci([0.5])[2])
+    assert math.isnan(sweep.mean_ci([])[0])
+
+
+def test_paired_differences_against_a_loop():
+    rng = random.Random(4)
+    summaries = {}
+    for seed in range(6):
+        for rule in ("vcpo", "seq-tis", "grpo"):
+            for k in (4, 16):
+                if (rule, seed) != ("grpo", 5):  # one rule missed a seed: only the shared seeds are paired
+                    summaries[sweep.Run(rule, k, seed)] = {"final_accuracy": rng.random()}
+    for row in sweep.paired(summaries):
+        diffs = [summaries[sweep.Run("vcpo", row["k"], s)]["final_accuracy"]
+                 - summaries[sweep.Run(row["rule"], row["k"], s)]["final_accuracy"]
+                 for s in range(6) if sweep.Run(row["rule"], row["k"], s) in summaries]
+        assert row["seeds"] == len(diffs) == (5 if row["rule"] == "grpo" else 6)
+        assert row["diff"] == pytest.approx(statistics.fmean(diffs))
+        assert row["ci95"] == pytest.approx(sweep.T975[len(diffs) - 2] * statistics.stdev(diffs) / len(diffs) ** 0.5)
+        assert row["vcpo_ahead"] == sum(d > 0 for d in diffs)
+    assert {(r["k"], r["rule"]) for r in sweep.paired(summaries)} == {(4, "grpo"), (4, "seq-tis"), (16, "grpo"),
+                                                                     (16, "seq-tis")}
 
 
 def test_sweep_stops_at_the_budget(tmp_path, monkeypatch):
@@ -152,7 +222,7 @@ def test_sweep_stops_at_the_budget(tmp_path, monkeypatch):
 def test_a_control_without_its_vcpo_run_is_an_error_naming_it(tmp_path):
     run = sweep.Run("grpo" + sweep.CONTROL, 4, 0)
     with pytest.raises(RuntimeError, match="vcpo-k4-s0"):
-        sweep.train_args(str(tmp_path), run, args_for(tmp_path))
+        sweep.train_args(run, args_for(tmp_path))
 
 
 def test_report_aggregates_over_seeds(tmp_path, monkeypatch, capsys):
@@ -160,17 +230,21 @@ def test_report_aggregates_over_seeds(tmp_path, monkeypatch, capsys):
     args = args_for(tmp_path, seeds=[0, 1, 2])
     sweep.sweep(args)
     sweep.report(args)
-    table = json.load(open(tmp_path / "sweep.json"))
+    report = json.load(open(tmp_path / "sweep.json"))
+    table = report["cells"]
     assert {(r["rule"], r["k"]) for r in table} == {("vcpo", 0), ("grpo", 0), ("vcpo", 4), ("grpo", 4),
                                                     ("grpo@vcpo-lr", 4)}
     row = next(r for r in table if r["rule"] == "vcpo" and r["k"] == 4)
-    assert row["seeds"] == 3 and row["final_accuracy"] == [pytest.approx(0.6), 0.0]
+    assert row["seeds"] == 3 and row["final_accuracy"][:2] == [pytest.approx(0.6), 0.0]
     assert row["eval_noise"] == pytest.approx(math.sqrt(0.6 * 0.4 / 100))
-    assert row["reward_last_10pct"][0] == pytest.approx(statistics.fmean([18 / 20, 19 / 20]))
+    assert row["reward_last10"][0] == pytest.approx(statistics.fmean([18 / 20, 19 / 20]))
     assert row["collapses"] == 0
-    assert row["lag_mean"] == pytest.approx(statistics.fmean(t % 3 for t in range(20)))
+    assert row["mean_lag"] == pytest.approx(statistics.fmean(t % 3 for t in range(20)))
+    pair = next(p for p in report["paired"] if p["rule"] == "grpo" and p["k"] == 4)
+    assert pair["seeds"] == 3 and pair["diff"] == pytest.approx(0.1) and pair["vcpo_ahead"] == 3
     assert os.path.getsize(tmp_path / "curves.png") > 0 and os.path.getsize(tmp_path / "accuracy.png") > 0
-    assert "| vcpo | 4 | 3 | 0.600 +- 0.000 |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| vcpo | 4 | 3 | 0.600 +- 0.000 |" in out and "| 4 | grpo | 3 | 0.100 +- 0.000 | 3 of 3 |" in out
 
 
 if __name__ == "__main__":
