@@ -6,7 +6,7 @@
 # Stages, each run whatever the one before gave, each under its own time limit, each logged in full to OUT_DIR
 # (default $VCPO_GPU_CHECK_OUT, else gpu-check-<time>/):
 #   build  the extension with its CUDA kernels against the machine's own torch, in place (build.log)
-#   tests  tests/test_gpu.py: every GPU backend against the float64 reference (tests.log, tests.xml)
+#   tests  tests/kernels/test_gpu_backends.py: every GPU backend against the float64 reference (tests.log, tests.xml)
 #   bench  bench/bench_gpu.py: the loss and LM-head tables (bench.txt)
 # then summary.txt: each stage's status and seconds, and the failing tests by name. The exit status is the
 # number of stages that did not pass. Expected on one H200: about 5 minutes (an estimate until it has run
@@ -86,7 +86,7 @@ grep -E -B2 -A4 "error" "$OUT/build.log" | head -40
 # Workers compile Triton kernels in parallel on a GPU machine (pytest-xdist where it is installed).
 PARALLEL=()
 if ((!DRY)) && "$PY" -c "import xdist" 2>/dev/null; then PARALLEL=(-n 8); fi
-stage tests "$TESTS_LIMIT" "$OUT/tests.log" "$PY" -m pytest tests/test_gpu.py -v -rfE -p no:cacheprovider \
+stage tests "$TESTS_LIMIT" "$OUT/tests.log" "$PY" -m pytest tests/kernels/test_gpu_backends.py -v -rfE -p no:cacheprovider \
   "${PARALLEL[@]}" --junitxml="$OUT/tests.xml"
 grep -E "^(FAILED|ERROR) " "$OUT/tests.log" | tee -a "$OUT/summary.txt" | head -40
 grep -E "^=+ .*(passed|failed|error).* =+$" "$OUT/tests.log" | tail -1 | tee -a "$OUT/summary.txt"

@@ -1,5 +1,5 @@
 // Generated from vcpo_kernels/options.py by `python tools/options_header.py > csrc/options.h`: edit
-// that file, not this one (tests/test_options.py checks that they agree).
+// that file, not this one (tests/kernels/test_option_codes.py checks that they agree).
 #pragma once
 
 #include <cstdint>

@@ -18,5 +18,5 @@ git ls-files -z | xargs -0 cp --parents -t "$COPY"
 cd "$COPY"
 VCPO_BUILD_CUDA=0 "$VENV/bin/python" setup.py -q build_ext --inplace > build.log 2>&1 || { grep -E -B2 -A8 "error:" build.log | head -80; exit 1; }
 "$VENV/bin/python" -c "import torch, vcpo_kernels as vk; assert 'cpu' in vk.available_backends('cpu'); print('torch', torch.__version__)"
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_backends.py tests/test_options.py \
-  tests/test_compile_and_autograd.py tests/test_validation.py -k "not triton"
+"$VENV/bin/python" -m pytest -q --full -p no:cacheprovider tests/kernels/test_backends_vs_reference.py tests/kernels/test_option_codes.py \
+  tests/kernels/test_compile_and_autograd.py tests/kernels/test_bad_input.py -k "not triton"

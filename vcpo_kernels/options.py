@@ -245,7 +245,7 @@ def _camel(name) -> str:
 def cpp_header() -> str:
     """csrc/options.h: the codes above as C++ enums."""
     lines = ["// Generated from vcpo_kernels/options.py by `python tools/options_header.py > csrc/options.h`: edit",
-             "// that file, not this one (tests/test_options.py checks that they agree).", "#pragma once", "",
+             "// that file, not this one (tests/kernels/test_option_codes.py checks that they agree).", "#pragma once", "",
              "#include <cstdint>", "", "namespace vcpo {", ""]
     for enum, codes in _ENUMS.items():
         members = ", ".join(f"{_camel(k)} = {v}" for k, v in codes.items())

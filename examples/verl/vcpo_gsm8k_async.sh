@@ -5,7 +5,7 @@
 #
 # NOT RUN: written on a machine without a GPU. What was checked: every override below composes in verl's own
 # ppo_trainer.yaml and gives the vcpo loss, VCPOAdamW and the separate-async settings verl asserts
-# (tests/test_examples_verl.py).
+# (tests/integrations/test_verl_example.py).
 #
 # Set-up on the node: verl 0.9.1 with its own vLLM/torch/transformers (verl's install docs), then this package
 # with `pip install --no-build-isolation -e .`; the data with verl's examples/data_preprocess/gsm8k.py (it writes

@@ -1,0 +1,273 @@
+"""bench/staleness_sweep.py: its definitions (collapse, ESS lead time) against brute-force loops
+over random curves, and the sweep's bookkeeping (order, skip, resume, budget, the control's learning rate, the
+report) with `vcpo train` replaced by a stand-in that writes run folders."""
+
+import importlib.util
+import json
+import math
+import os
+import random
+import shutil
+import statistics
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location(
+    "staleness_sweep", os.path.join(os.path.dirname(__file__), "..", "..", "bench", "staleness_sweep.py"))
+sweep = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = sweep  # dataclasses look their module up
+_spec.loader.exec_module(sweep)
+
+
+def random_curve(rng, n):
+    """A reward-like curve: a rise, a plateau, and in some curves a fall, with noise."""
+    peak, fall = rng.randrange(n), rng.choice([None, rng.randrange(n)])
+    return [max(0.0, min(1.0, (min(t, peak) / max(peak, 1)) * (0.2 if fall is not None and t > fall else 1.0)
+                         + rng.gauss(0, 0.1))) for t in range(n)]
+
+
+def test_collapse_step_against_the_definition():
+    rng = random.Random(1)
+    seen = {True: 0, False: 0}
+    for _ in range(400):
+        n = rng.randrange(1, 120)
+        rewards, window = random_curve(rng, n), rng.randrange(1, 15)
+        smooth = [statistics.fmean(rewards[max(0, t - window + 1):t + 1]) for t in range(n)]
+        best = max(smooth)
+        best_at = smooth.index(best)
+        expected = None
+        if best >= 0.05:  # the first step after the best from which the smoothed reward stays below half of it
+            for i in range(best_at + 1, n):
+                if all(s < 0.5 * best for s in smooth[i:]):
+                    expected = i + 1
+                    break
+        assert sweep.collapse_step(rewards, window) == expected
+        seen[expected is not None] += 1
+    assert seen[True] > 20 and seen[False] > 20  # both kinds of curve were drawn
+
+
+def test_collapse_edge_cases():
+    assert sweep.collapse_step([], 10) is None
+    assert sweep.collapse_step([0.04] * 25 + [0.0] * 25, 5) is None  # never learned: nothing to collapse from
+    assert sweep.collapse_step([1.0] * 20 + [0.0] * 20, 1) == 21
+    assert sweep.collapse_step([1.0] * 20 + [0.0] * 19 + [1.0], 1) is None  # it came back
+
+
+def test_ess_lead_against_brute_force():
+    rng = random.Random(2)
+    leads = 0
+    for _ in range(300):
+        n = rng.randrange(2, 80)
+        ess = [rng.choice([0.2, 0.9]) * rng.uniform(0.8, 1.2) for _ in range(n)]
+        window, collapse = rng.randrange(1, 5), rng.randrange(1, n + 1)
+        smooth = [statistics.fmean(ess[max(0, t - window + 1):t + 1]) for t in range(n)]
+        t = collapse - 1
+        expected = None
+        if smooth[t] < 0.5:
+            expected = 0
+            while t - expected - 1 >= 0 and smooth[t - expected - 1] < 0.5:
+                expected += 1
+        assert sweep.ess_lead(ess, collapse, window) == expected
+        leads += expected is not None
+    assert leads > 20
+    assert sweep.ess_lead([0.1] * 10, None, 3) is None
+
+
+def test_plan_runs_vcpo_before_its_controls_seed_by_seed():
+    runs = sweep.plan(["seq-tis", "vcpo", "grpo", "vcpo-no-ess"], [0, 4], [0, 1], control_ks=[4])
+    names = [r.name for r in runs]
+    assert len(names) == len(set(names)) == 2 * (2 * 4 + 2)  # 4 rules at each k + controls of seq-tis, grpo at k=4
+    assert not any(r.rule.endswith(sweep.CONTROL) and r.k == 0 for r in runs)
+    for r in runs:
+        if r.rule.endswith(sweep.CONTROL):
+            assert names.index(f"vcpo-k{r.k}-s{r.seed}") < names.index(r.name)
+    assert all(r.seed == 0 for r in runs[:len(runs) // 2])  # a cut-short sweep has whole seeds
+    assert not any(r.rule.endswith(sweep.CONTROL) for r in sweep.plan(["vcpo", "grpo"], [0, 4], [0], control_ks=[]))
+
+
+def fake_train(calls, steps, lr_scale=0.5):
+    """Stands in for `vcpo train`: writes the run folder a finished run leaves."""
+    def call(cmd, **kwargs):
+        argv = cmd[cmd.index("train") + 1:]
+        calls.append(argv)
+        if "--resume" in argv:
+            folder = argv[argv.index("--resume") + 1]
+            config = json.load(open(os.path.join(folder, "config.json")))
+        else:
+            folder = argv[argv.index("--output-dir") + 1]
+            os.makedirs(folder)
+            config = {"settings": {"eval_size": 100}, "lr": float(argv[argv.index("--lr") + 1])}
+            with open(os.path.join(folder, "config.json"), "w") as f:
+                json.dump(config, f)
+        with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
+            for t in range(steps):
+                f.write(json.dumps({"reward": t / steps, "ess_ratio": 0.9, "lag": t % 3,
+                                    "lr_scale": lr_scale + 0.01 * (t % 3)}) + "\n")
+        with open(os.path.join(folder, "summary.json"), "w") as f:
+            json.dump({"interrupted": False, "steps": steps, "wall_seconds": 1.0,
+                       "final_eval": {"version": steps, "accuracy": 0.5 + 0.1 * ("vcpo" in folder)}}, f)
+        return 0
+    return call
+
+
+def args_for(out, **kw):
+    base = dict(out=str(out), summaries=str(out / "summaries"), rules=["vcpo", "grpo"], ks=[0, 4], seeds=[0, 1], control_ks=[4], steps=20, lr=1e-3,
+                budget_minutes=None, train_args=["--eval-size", "100"], report_only=False)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_sweep_skips_finished_runs_resumes_started_ones_and_sets_the_control_lr(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(sweep.subprocess, "call", fake_train(calls, steps=20))
+    args = args_for(tmp_path)
+    sweep.sweep(args)
+    assert len(calls) == 2 * (2 * 2 + 1)  # controls at k = 4 only
+    for argv in calls:
+        assert argv[-2:] == ["--eval-size", "100"] and "--no-progress" in argv
+    control = next(a for a in calls if os.path.basename(a[a.index("--output-dir") + 1]) == "grpo@vcpo-lr-k4-s1")
+    # lr x the median of the VCPO run's lr scales (0.50, 0.51, 0.52 repeated): 0.51
+    assert float(control[control.index("--lr") + 1]) == pytest.approx(1e-3 * 0.51)
+    assert control[control.index("--loss") + 1] == "grpo"
+
+    calls.clear()
+    os.remove(tmp_path / "grpo-k4-s1" / "summary.json")  # a run that stopped before its end
+    os.remove(tmp_path / "summaries" / "grpo-k4-s1.json")
+    sweep.sweep(args)
+    assert calls == [["--resume", str(tmp_path / "grpo-k4-s1"), "--no-progress"]]
+
+    calls.clear()
+    os.remove(tmp_path / "summaries" / "vcpo-k0-s0.json")  # finished, but killed before its summary was written
+    sweep.sweep(args)
+    assert calls == [] and os.path.isfile(tmp_path / "summaries" / "vcpo-k0-s0.json")
+
+
+def test_summaries_carry_the_facts_and_outlive_the_run_folders(tmp_path, monkeypatch):
+    monkeypatch.setattr(sweep.subprocess, "call", fake_train([], steps=20))
+    args = args_for(tmp_path)
+    sweep.sweep(args)
+    summary = json.load(open(tmp_path / "summaries" / "vcpo-k4-s1.json"))
+    assert {"rule", "k", "seed", "final_accuracy", "reward_last10", "collapsed_at", "ess_median", "lr_scale_median",
+            "mean_lag", "wall_s", "commit"} <= set(summary)
+    assert (summary["rule"], summary["k"], summary["seed"], summary["steps"]) == ("vcpo", 4, 1, 20)
+    assert summary["final_accuracy"] == pytest.approx(0.6)
+    assert summary["reward_last10"] == pytest.approx(statistics.fmean([18 / 20, 19 / 20]))
+    assert summary["rewards"] == [pytest.approx(t / 20) for t in range(20)]
+    assert summary["evals"] == [[20, 1.0, pytest.approx(0.6)]]
+    assert len(summary["commit"]) >= 40  # this repository's HEAD
+
+    for run in sweep.plan(args.rules, args.ks, args.seeds, args.control_ks):  # the run folders are lost
+        shutil.rmtree(tmp_path / run.name)
+    calls = []
+    monkeypatch.setattr(sweep.subprocess, "call", fake_train(calls, steps=20))
+    sweep.sweep(args)
+    assert calls == []  # nothing runs again
+    sweep.report(args)
+    assert json.load(open(tmp_path / "sweep.json"))["cells"]
+
+
+def test_a_summary_with_other_settings_is_refused_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(sweep.subprocess, "call", fake_train([], steps=20))
+    sweep.sweep(args_for(tmp_path, rules=["vcpo"], ks=[0], seeds=[0]))
+    with pytest.raises(SystemExit, match="vcpo-k0-s0.json"):
+        sweep.sweep(args_for(tmp_path, rules=["vcpo"], ks=[0], seeds=[0], steps=30))
+
+
+def test_mean_ci_covers_the_mean_95_percent_of_the_time():
+    rng = random.Random(3)
+    for n in (2, 5, 12):
+        covered = 0
+        for _ in range(3000):
+            mean, _, half = sweep.mean_ci([rng.gauss(1.0, 2.0) for _ in range(n)])
+            covered += abs(mean - 1.0) <= half
+        assert 0.935 < covered / 3000 < 0.965, n
+    assert sweep.mean_ci([0.5])[0] == 0.5 and math.isnan(sweep.mean_ci([0.5])[2])
+    assert math.isnan(sweep.mean_ci([])[0])
+
+
+def test_paired_differences_against_a_loop():
+    rng = random.Random(4)
+    summaries = {}
+    for seed in range(6):
+        for rule in ("vcpo", "seq-tis", "grpo"):
+            for k in (4, 16):
+                if (rule, seed) != ("grpo", 5):  # one rule missed a seed: only the shared seeds are paired
+                    summaries[sweep.Run(rule, k, seed)] = {"final_accuracy": rng.random()}
+    for row in sweep.paired(summaries):
+        diffs = [summaries[sweep.Run("vcpo", row["k"], s)]["final_accuracy"]
+                 - summaries[sweep.Run(row["rule"], row["k"], s)]["final_accuracy"]
+                 for s in range(6) if sweep.Run(row["rule"], row["k"], s) in summaries]
+        assert row["seeds"] == len(diffs) == (5 if row["rule"] == "grpo" else 6)
+        assert row["diff"] == pytest.approx(statistics.fmean(diffs))
+        assert row["ci95"] == pytest.approx(sweep.T975[len(diffs) - 2] * statistics.stdev(diffs) / len(diffs) ** 0.5)
+        assert row["vcpo_ahead"] == sum(d > 0 for d in diffs)
+    assert {(r["k"], r["rule"]) for r in sweep.paired(summaries)} == {(4, "grpo"), (4, "seq-tis"), (16, "grpo"),
+                                                                     (16, "seq-tis")}
+
+
+def test_sweep_stops_at_the_budget(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(sweep.subprocess, "call", fake_train(calls, steps=20))
+    clock = iter(range(0, 10_000, 60))  # every reading of the clock is a minute later
+    monkeypatch.setattr(sweep.time, "monotonic", lambda: next(clock))
+    sweep.sweep(args_for(tmp_path, budget_minutes=4.5))
+    # run 1 starts at minute 1 and takes a minute; then each run starts when spent + 1 minute fits in 4.5
+    assert 1 <= len(calls) < 10
+    spent_runs = len(calls)
+    sweep.sweep(args_for(tmp_path, budget_minutes=4.5))  # a second call goes on where it stopped
+    assert len(calls) > spent_runs
+
+
+def test_a_control_without_its_vcpo_run_is_an_error_naming_it(tmp_path):
+    run = sweep.Run("grpo" + sweep.CONTROL, 4, 0)
+    with pytest.raises(RuntimeError, match="vcpo-k4-s0"):
+        sweep.train_args(run, args_for(tmp_path))
+
+
+def test_report_aggregates_over_seeds(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sweep.subprocess, "call", fake_train([], steps=20))
+    args = args_for(tmp_path, seeds=[0, 1, 2])
+    sweep.sweep(args)
+    sweep.report(args)
+    report = json.load(open(tmp_path / "sweep.json"))
+    table = report["cells"]
+    assert {(r["rule"], r["k"]) for r in table} == {("vcpo", 0), ("grpo", 0), ("vcpo", 4), ("grpo", 4),
+                                                    ("grpo@vcpo-lr", 4)}
+    row = next(r for r in table if r["rule"] == "vcpo" and r["k"] == 4)
+    assert row["seeds"] == 3 and row["final_accuracy"][:2] == [pytest.approx(0.6), 0.0]
+    assert row["eval_noise"] == pytest.approx(math.sqrt(0.6 * 0.4 / 100))
+    assert row["reward_last10"][0] == pytest.approx(statistics.fmean([18 / 20, 19 / 20]))
+    assert row["collapses"] == 0
+    assert row["mean_lag"] == pytest.approx(statistics.fmean(t % 3 for t in range(20)))
+    pair = next(p for p in report["paired"] if p["rule"] == "grpo" and p["k"] == 4)
+    assert pair["seeds"] == 3 and pair["diff"] == pytest.approx(0.1) and pair["vcpo_ahead"] == 3
+    assert os.path.getsize(tmp_path / "curves.png") > 0 and os.path.getsize(tmp_path / "accuracy.png") > 0
+    out = capsys.readouterr().out
+    assert "| vcpo | 4 | 3 | 0.600 +- 0.000 |" in out and "| 4 | grpo | 3 | 0.100 +- 0.000 | 3 of 3 |" in out
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_every_rule_is_the_loss_it_names(monkeypatch):
+    """Each rule's `vcpo train` arguments parse, and the VCPO variants differ from `vcpo` in their one option."""
+    import vcpo.trainer.run
+    from vcpo.cli import main
+
+    configs = {}
+    def train(cfg, **kwargs):
+        configs[rule] = cfg.vcpo_config()  # and no summary, as on a trainer rank > 0
+
+    monkeypatch.setattr(vcpo.trainer.run, "train", train)
+    for rule, argv in sweep.RULES.items():
+        assert main(["train", *argv]) == 0
+    base = vars(configs["vcpo"])
+    changed = {rule: {k: v for k, v in vars(c).items() if base[k] != v} for rule, c in configs.items()}
+    assert changed["vcpo-opob-truncated"] == {"opob_truncated_weights": True}
+    assert changed["vcpo-opob-median"] == {"opob_aggregation": "median"}
+    assert changed["vcpo-no-ess"] == {"lr_rule": None}
+    assert changed["vcpo-no-opob"] == {"advantage": "grpo", "grad_norms": "uniform"}
+    assert base["advantage"] == "opob" and base["lr_rule"] == "sqrt"
+    assert sweep.GRID == [r for r in sweep.RULES if r not in sweep.OPOB_VARIANTS]

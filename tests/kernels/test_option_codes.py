@@ -1,0 +1,69 @@
+"""The option codes are written once (vcpo_kernels/options.py): the generated C++ header agrees with them, and
+the fused op's packed options are complete and refused when malformed."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import vcpo_kernels as vk
+from support.backend_check import COMPILED_BACKENDS
+from vcpo_kernels import options
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_generated_header_is_current():
+    # Regenerate with: python tools/options_header.py > csrc/options.h
+    assert (ROOT / "csrc" / "options.h").read_text() == options.cpp_header()
+
+
+def test_header_lists_every_code():
+    header = options.cpp_header()
+    for table in (options.IS_LEVELS, options.IS_CORRECTIONS, options.LR_RULES, options.ADVANTAGES,
+                  options.OPOB_WEIGHTS, options.LOSS_AGG_MODES, options.OPOB_AGGREGATIONS):
+        for name, code in table.items():
+            assert f"{options._camel(name)} = {code}" in header
+    for names in (options.SCALAR_FIELDS, options.LOSS_CODES, options.LOSS_VALUES):
+        for i, name in enumerate(names):
+            assert f"k{options._camel(name)} = {i}," in header
+
+
+def test_packed_options_by_position():
+    opts = vk.PolicyLossOptions(is_level="geometric", is_correction="mask", is_threshold=2.0, is_threshold_low=0.25,
+                                lr_rule="linear", advantage="rloo", clip_ratio=(0.1, 0.3), clip_ratio_c=3.0,
+                                loss_agg_mode="seq-mean-token-sum-norm", reference_compat=True,
+                                opob_aggregation="winsorized_mean", opob_winsorize_quantiles=(0.2, 0.7),
+                                rejection=(("token_k1", 0.5, 2.0), ("seq_max_k3", None, 0.2), ("token_k1", 0.6, 3.0)))
+    codes, values = opts.packed(16)
+    code = dict(zip(options.LOSS_CODES, codes))
+    value = dict(zip(options.LOSS_VALUES, values))
+    assert len(codes) == len(options.LOSS_CODES) and len(values) == len(options.LOSS_VALUES)
+    assert code == dict(is_level=2, is_correction=1, ess_on_corrected=0, lr_rule=2, advantage=2, norm_by_std=1,
+                        opob_length_norm=0, opob_weight=2, loss_agg=3, opob_aggregation=2,
+                        rejection=(1 << 0) | (1 << 10))
+    rejection = {k: value.pop(k) for k in list(value) if k.startswith(("token_", "seq_"))}
+    assert value == pytest.approx(dict(log_threshold=math.log(2.0), log_threshold_low=math.log(0.25),
+                                       ess_base_ratio=1.0, clip_low=0.1, clip_high=0.3, clip_c=3.0, norm_length=16.0,
+                                       winsorize_low=0.2, winsorize_high=0.7))
+    # token_k1: the intersection of its two entries, in log r; seq_max_k3: its bound; the others unbounded
+    assert rejection.pop("token_k1_low") == math.log(0.6) and rejection.pop("token_k1_high") == math.log(2.0)
+    assert rejection.pop("seq_max_k3_high") == 0.2 and rejection.pop("seq_max_k3_low") == 0.0
+    assert len(rejection) == 18 and all(v == math.inf for k, v in rejection.items() if k.endswith("_high"))
+    assert all(v == (-math.inf if "k1" in k else 0.0) for k, v in rejection.items() if k.endswith("_low"))
+    _, values = vk.PolicyLossOptions().packed(None)
+    off = dict(zip(options.LOSS_VALUES, values))
+    assert all(math.isnan(off[k]) for k in ("clip_low", "clip_high", "clip_c")) and off["norm_length"] == 0.0
+
+
+@pytest.mark.skipif("cpu" not in COMPILED_BACKENDS, reason="the C++ extension is not built")
+def test_malformed_packed_options_are_refused():
+    logp = -torch.rand(6)
+    args = (logp, logp.clone(), None, None, torch.tensor([0, 3, 6]), torch.rand(2), None, None, 1, None)
+    codes, values = vk.PolicyLossOptions().packed(None)
+    torch.ops.vcpo.policy_loss(*args, codes, values)
+    with pytest.raises(RuntimeError, match="option codes"):
+        torch.ops.vcpo.policy_loss(*args, codes[:-1], values)
+    with pytest.raises(RuntimeError, match="option values"):
+        torch.ops.vcpo.policy_loss(*args, codes, values + [0.0])

@@ -1,0 +1,153 @@
+"""The staleness-bounded rollout producer (vcpo/trainer/rollouts.py) driven by a fake engine with random delays:
+bounded and exact staleness, nothing dropped, weights loaded during generation and evaluation, resume with
+pending batches, failures reported."""
+
+import random
+import threading
+import time
+
+import pytest
+
+from vcpo.trainer.rollouts import GeneratedBatch, Rollout, RolloutProducer, StalenessError
+
+
+def _drive(k: int, steps: int, gen_s: float, train_s: float, seed: int = 0, stop_at: int | None = None,
+           pending=(), next_batch=0, version=0, eval_s: float | None = None, exact: bool = False):
+    """Run a producer against a trainer loop with random delays; returns (consumed batches, producer)."""
+    rng = random.Random(seed)
+    engine = {"version": version, "loads": []}
+    lock = threading.Lock()
+
+    def make_batch(index, v):
+        assert v == engine["version"]
+        time.sleep(rng.uniform(0, gen_s))
+        return GeneratedBatch(index, v, [Rollout(index, index, 0, [1], [2], [0.0], None, 0.0, v)])
+
+    def load(weights, v):
+        assert v == weights["v"]
+        with lock:
+            engine["version"] = weights["v"]
+            engine["loads"].append(weights["v"])
+
+    def evaluate(v):  # evaluations interleave with generation, as in the trainer
+        time.sleep(rng.uniform(0, gen_s) if eval_s is None else eval_s)
+        return (0.0, 0.0)
+
+    prod = RolloutProducer(make_batch=make_batch, load_weights=load, max_staleness=k, version=version,
+                           next_batch=next_batch, end_batch=steps, pending=list(pending), evaluate=evaluate,
+                           eval_every=2, exact_staleness=exact).start()
+    consumed = []
+    try:
+        for step in range(version, steps if stop_at is None else stop_at):
+            batch = prod.take(step)
+            consumed.append(batch)
+            time.sleep(rng.uniform(0, train_s))
+            prod.publish(step + 1, {"v": step + 1})
+    finally:
+        prod.stop()
+    return consumed, prod
+
+
+@pytest.mark.parametrize("k", [0, 1, 4])
+@pytest.mark.parametrize("fast", ["generation", "training"])
+def test_producer_bounds_staleness_and_drops_nothing(k, fast):
+    gen_s, train_s = (0.001, 0.01) if fast == "generation" else (0.01, 0.001)
+    consumed, prod = _drive(k, steps=40, gen_s=gen_s, train_s=train_s, seed=k)
+    assert [b.index for b in consumed] == list(range(40))
+    lags = [b.index - b.version for b in consumed]
+    assert all(0 <= lag <= k for lag in lags)
+    if fast == "generation":  # pacing lets the engine run ahead by exactly k, no more and no less
+        assert max(lags) == k
+    if k == 0:
+        assert lags == [0] * 40
+
+
+@pytest.mark.parametrize("k", [0, 1, 5])
+@pytest.mark.parametrize("fast", ["generation", "training"])
+def test_exact_staleness_gives_every_batch_lag_k_whichever_side_is_faster(k, fast):
+    gen_s, train_s = (0.001, 0.01) if fast == "generation" else (0.01, 0.001)
+    consumed, _ = _drive(k, steps=30, gen_s=gen_s, train_s=train_s, seed=k, exact=True)
+    assert [b.index for b in consumed] == list(range(30))
+    assert [b.index - b.version for b in consumed] == [min(j, k) for j in range(30)]
+
+
+def test_exact_staleness_refuses_concurrent_sync():
+    with pytest.raises(ValueError, match="exact staleness"):
+        RolloutProducer(make_batch=None, load_weights=None, max_staleness=2, version=0, next_batch=0, end_batch=4,
+                        concurrent_sync=True, exact_staleness=True)
+
+
+def test_producer_loads_weights_while_a_batch_is_generated():
+    """concurrent_sync (engine: server): weights published during a batch go in at once, from the sync thread;
+    the admissible batches are generated at the same time; a rollout records its first and last version and the
+    bound holds for the first."""
+    engine = {"version": 0, "in_flight": 0, "most": 0}
+    spans = []
+    lock = threading.Lock()
+
+    def make_batch(index, admitted):
+        first = engine["version"]
+        assert first >= admitted
+        with lock:
+            engine["in_flight"] += 1
+            engine["most"] = max(engine["most"], engine["in_flight"])
+        time.sleep(0.02)
+        with lock:
+            engine["in_flight"] -= 1
+        last = engine["version"]
+        spans.append((first, last))
+        return GeneratedBatch(index, first, [Rollout(index, index, 0, [1], [2], [0.0], None, 0.0, first,
+                                                     last_version=last if last != first else None)])
+
+    def load(weights, v):
+        time.sleep(0.003)
+        engine["version"] = v
+
+    prod = RolloutProducer(make_batch=make_batch, load_weights=load, max_staleness=2, version=0, next_batch=0,
+                           end_batch=30, concurrent_sync=True).start()
+    try:
+        for step in range(30):
+            batch = prod.take(step)
+            assert 0 <= step - batch.version <= 2
+            prod.publish(step + 1, {"v": step + 1})
+    finally:
+        prod.stop()
+    assert any(first != last for first, last in spans)  # weights changed while a batch was being generated
+    assert engine["most"] > 1  # several batches were in flight at once
+
+
+def test_producer_resumes_with_pending_batches():
+    # an interrupted run: stop after 10 steps, keep (next batch, pending), continue in a new producer
+    first, prod = _drive(3, steps=30, gen_s=0.001, train_s=0.01, stop_at=10)
+    next_batch, pending = prod.snapshot()
+    assert [b.index for b in pending] == list(range(10, next_batch))
+    rest, _ = _drive(3, steps=30, gen_s=0.001, train_s=0.01, pending=pending, next_batch=next_batch, version=10)
+    assert [b.index for b in first + rest] == list(range(30))
+    assert rest[:len(pending)] == pending  # the pending batches are consumed as they were, not regenerated
+    assert all(0 <= b.index - b.version <= 3 for b in rest)
+
+
+def test_producer_loads_weights_published_during_an_evaluation():
+    # resumed synchronous run: the engine evaluates its first version while the trainer consumes the pending
+    # batch and publishes new weights; the next batch must be generated with those, not the evaluated ones
+    pending = [GeneratedBatch(10, 10, [])]
+    rest, prod = _drive(0, steps=14, gen_s=0.001, train_s=0.0, pending=pending, next_batch=11, version=10,
+                        eval_s=0.05)
+    assert [(b.index, b.version) for b in rest] == [(j, j) for j in range(10, 14)]
+
+
+def test_producer_reports_its_failures_and_out_of_bounds_lag():
+    def broken(index, version):
+        raise OSError("engine died")
+
+    prod = RolloutProducer(make_batch=broken, load_weights=lambda w, v: None, max_staleness=1, version=0,
+                           next_batch=0, end_batch=3).start()
+    with pytest.raises(RuntimeError, match="rollout thread failed") as info:
+        prod.take(0)
+    assert isinstance(info.value.__cause__, OSError)
+    prod.stop()
+    stale = GeneratedBatch(5, 0, [])
+    prod = RolloutProducer(make_batch=broken, load_weights=lambda w, v: None, max_staleness=2, version=5,
+                           next_batch=6, end_batch=6, pending=[stale])
+    with pytest.raises(StalenessError, match="lag 5"):
+        prod.take(5)

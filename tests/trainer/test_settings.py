@@ -1,0 +1,131 @@
+"""`vcpo train`'s settings without an engine: their errors naming the setting, presets and switches, config
+files, the CLI's exit codes, `vcpo plot`, and where local servers are placed."""
+
+import json
+
+import pytest
+
+from vcpo.trainer import LOSS_PRESETS, load_file, make_config
+
+
+@pytest.mark.parametrize("change, name", [
+    ({"steps": 0}, "steps"), ({"steps": 2.5}, "steps"), ({"prompts_per_step": -1}, "prompts_per_step"),
+    ({"responses_per_prompt": 0}, "responses_per_prompt"), ({"max_staleness": -1}, "max_staleness"),
+    ({"lr": float("nan")}, "lr"), ({"lr": -1e-3}, "lr"),
+    ({"loss": "ppo2"}, "loss"), ({"engine": "remote"}, "engine"), ({"dtype": "int8"}, "dtype"),
+    ({"max_new_tokens": 0}, "max_new_tokens"), ({"ess_scaling": "yes"}, "ess_scaling"),
+    ({"vcpo": {"is_threshold": -1}}, "is_threshold"), ({"vcpo": {"no_such_option": 1}}, "no_such_option"),
+    ({"model": "/no/such/folder"}, "model"), ({"engine_cores": "0-x"}, "engine_cores"),
+    ({"trainer_cores": "4096"}, "trainer_cores"), ({"weight_decay": -0.1}, "weight_decay"),
+    ({"kv_cache_gib": 0}, "kv_cache_gib"),
+    ({"engine": "server", "engine_servers": 0}, "engine_servers"),
+    ({"engine": "server", "engine_urls": "http://127.0.0.1:80a"}, "engine_urls"),
+    ({"engine": "server", "engine_urls": "127.0.0.1:8000"}, "engine_urls"),
+    ({"engine": "server"}, "engine_urls"), ({"engine_servers": 2}, "engine_servers"),
+    ({"engine": "server", "engine_servers": 1, "weight_swap": "later"}, "weight_swap"),
+    ({"engine": "server", "engine_servers": 1, "engine_timeout": 0}, "engine_timeout"),
+    ({"engine": "server", "engine_servers": 1, "exact_staleness": True}, "exact_staleness"),
+    ({"exact_staleness": "yes"}, "exact_staleness"),
+])
+def test_bad_settings_name_the_setting(change, name):
+    with pytest.raises(ValueError, match=name):
+        make_config(**change)
+
+
+def test_unknown_setting_and_data_without_model():
+    with pytest.raises(ValueError, match="unknown settings"):
+        make_config(stepz=3)
+    with pytest.raises(ValueError, match="data needs model"):
+        make_config(data="x.jsonl")
+
+
+def test_presets_and_switches():
+    for name in LOSS_PRESETS:
+        make_config(loss=name).vcpo_config()  # every preset is a valid VCPOConfig
+    default = make_config().vcpo_config()
+    assert (default.is_level, default.is_correction, default.is_threshold) == ("sequence", "truncate", 8.0)
+    assert (default.advantage, default.grad_norms, default.lr_rule) == ("opob", "exact", "sqrt")
+    grpo = make_config(loss="grpo").vcpo_config()
+    assert (grpo.is_correction, grpo.advantage, grpo.lr_rule) == ("none", "grpo", None)
+    both = make_config(loss="token-tis", ess_scaling=True, opob=True).vcpo_config()
+    assert (both.is_level, both.lr_rule, both.advantage, both.grad_norms) == ("token", "sqrt", "opob", "exact")
+    off = make_config(ess_scaling=False, opob=False, vcpo={"is_threshold": 4.0}).vcpo_config()
+    assert (off.lr_rule, off.advantage, off.is_threshold) == (None, "grpo", 4.0)
+    assert make_config(loss="ppo").vcpo_config().clip_ratio == (0.2, 0.28)
+
+
+@pytest.mark.parametrize("suffix", ["yaml", "toml", "json"])
+def test_config_files(tmp_path, suffix):
+    text = {"yaml": "steps: 7\nloss: seq-tis\nvcpo:\n  is_threshold: 4.0\n",
+            "toml": 'steps = 7\nloss = "seq-tis"\n[vcpo]\nis_threshold = 4.0\n',
+            "json": json.dumps({"steps": 7, "loss": "seq-tis", "vcpo": {"is_threshold": 4.0}})}[suffix]
+    path = tmp_path / f"c.{suffix}"
+    path.write_text(text)
+    cfg = make_config(load_file(str(path)), steps=9, vcpo={"ess_base_ratio": 0.5})
+    assert (cfg.steps, cfg.loss) == (9, "seq-tis")  # the command line wins
+    assert cfg.vcpo == {"is_threshold": 4.0, "ess_base_ratio": 0.5}  # option mappings merge
+
+
+def test_config_file_errors(tmp_path):
+    bad = tmp_path / "c.yaml"
+    bad.write_text("stepz: 3\n")
+    with pytest.raises(ValueError, match="stepz"):
+        load_file(str(bad))
+    with pytest.raises(ValueError, match="no such file"):
+        load_file(str(tmp_path / "missing.yaml"))
+    other = tmp_path / "c.ini"
+    other.write_text("")
+    with pytest.raises(ValueError, match=".yaml"):
+        load_file(str(other))
+
+
+def test_server_urls_are_parsed():
+    cfg = make_config(engine="server", engine_urls="http://127.0.0.1:8000/, http://gpu-node-2:8001")
+    assert cfg.server_urls() == ["http://127.0.0.1:8000", "http://gpu-node-2:8001"]
+    with pytest.raises(ValueError, match="listed twice"):
+        make_config(engine="server", engine_urls="http://a:1,http://a:1")
+
+
+def test_cli_reports_bad_settings(capsys):
+    from vcpo.cli import main
+
+    assert main(["train", "--steps", "0"]) == 2
+    assert "steps must be an integer >= 1" in capsys.readouterr().err
+    assert main(["train", "--engine", "server", "--engine-servers", "0"]) == 2
+    assert "engine_servers must be an integer >= 1, got 0" in capsys.readouterr().err
+    assert main(["train", "--engine", "server", "--engine-urls", "http://127.0.0.1:eighty"]) == 2
+    assert "engine_urls: the port of 'http://127.0.0.1:eighty' is not a number" in capsys.readouterr().err
+    assert main(["train", "--is-threshold", "-3"]) == 2
+    assert "is_threshold" in capsys.readouterr().err
+    assert main(["train", "--resume", "/no/such/run"]) == 2
+    assert "not a run folder" in capsys.readouterr().err
+
+
+def test_plot_command_draws_runs(tmp_path, capsys):
+    from vcpo.cli import main
+
+    for name, k in (("sync", 0), ("async", 4)):
+        folder = tmp_path / name
+        folder.mkdir()
+        rows = [{"step": s, "wall_seconds": 0.5 * s, "reward": s / 40, "ess_ratio": 1.0 if k == 0 else 0.5,
+                 "lr_scale": 1.0 if k == 0 else 0.7, **({"eval_accuracy": s / 50, "eval_version": s} if s % 5 == 0
+                                                       else {})} for s in range(1, 21)]
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "cmp.png"
+    assert main(["plot", f"sync={tmp_path / 'sync'}", f"async={tmp_path / 'async'}", "-o", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
+    assert main(["plot", str(tmp_path / "missing"), "-o", str(out)]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_local_servers_get_the_gpus_the_trainer_ranks_leave(monkeypatch):
+    import torch
+
+    from vcpo.trainer.launch import _gpu_plan
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert _gpu_plan(2, 2) == ["2", "3"] and _gpu_plan(3, 1) == ["1", "2", "3"]
+    assert _gpu_plan(3, 2) == ["0", "1", "2"]  # not enough GPUs: the servers share them, the trainer's too
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _gpu_plan(2, 1) is None
