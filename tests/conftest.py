@@ -8,6 +8,8 @@ The guard against a slow test hiding in the fast tier: the summary lists every f
 FAST_LIMIT_SECONDS (setup, call and teardown together)."""
 
 import os
+import shutil
+import tempfile
 from collections import defaultdict
 
 import pytest
@@ -18,8 +20,19 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 TESTS = os.path.dirname(os.path.abspath(__file__))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p)
 
+# One cache of built tiny models (vcpo/trainer/tiny.py) for the session: every `vcpo train` a test starts reuses
+# the warm-started models the first one built, and the user's own cache is not touched.
+_OWN_CACHE = None if "VCPO_CACHE" in os.environ else tempfile.mkdtemp(prefix="vcpo-test-cache-")
+if _OWN_CACHE is not None:
+    os.environ["VCPO_CACHE"] = _OWN_CACHE
+
 FAST_LIMIT_SECONDS = 15.0
 _fast_seconds: dict = defaultdict(float)
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE is not None:
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 def pytest_addoption(parser):

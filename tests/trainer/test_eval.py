@@ -113,7 +113,7 @@ def trained(tmp_path_factory):
     from vcpo.trainer.run import _problems
 
     root = tmp_path_factory.mktemp("eval")
-    env = {**os.environ, "VCPO_CACHE": str(root / "cache"), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     folder = root / "run"
 
     def vcpo(*commands):

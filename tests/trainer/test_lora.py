@@ -176,7 +176,7 @@ def lora_run(tmp_path_factory):
     engine: process for 4 steps, then --resume with engine: inprocess for 2 more; then AFTER_RUN."""
     pytest.importorskip("vllm")
     tmp = tmp_path_factory.mktemp("lora")
-    env = {**os.environ, "VCPO_CACHE": str(tmp / "cache"), "PYTHONUNBUFFERED": "1",
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": f"{tmp}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     code = ("import sys\nfrom vcpo.trainer import tiny\ntok = tiny.build_tokenizer()\n"
             "tiny.build_model(tiny.TinyRecipe(), len(tok)).save_pretrained(sys.argv[1])\n"

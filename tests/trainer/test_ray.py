@@ -92,7 +92,7 @@ class Run:
 
 @pytest.mark.slow
 def test_killed_rank_actor_then_resume_and_sigterm_leave_nothing_running(tmp_path):
-    env = {**os.environ, "VCPO_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     folder = tmp_path / "run"
     runs = []
     try:

@@ -1,6 +1,6 @@
 """`vcpo train` on 2 trainer ranks (torchrun, gloo, real torch.distributed) with rank 0's vLLM engine in its own
-processes: the same steps as one rank on the whole batch, and resumes that change the number of ranks; the same
-with the model sharded by FSDP2 (`--fsdp`)."""
+processes: the same steps as one rank on the whole batch, with the model replicated or sharded by FSDP2 (`--fsdp`),
+and resumes that change the number of ranks (one chain of runs against one one-rank reference); a killed rank."""
 
 import json
 import os
@@ -32,25 +32,54 @@ def read_jsonl(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
+@pytest.fixture(scope="module")
+def length_reward(tmp_path_factory):
+    """A reward that varies from the first step (the briefly warmed-up model rarely adds right), so that every
+    step has a gradient to compare: the environment and the arguments of a run with it."""
+    folder = tmp_path_factory.mktemp("reward")
+    (folder / "length_reward.py").write_text("def score(response, answer):\n    return len(response) / 10\n")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")])}
+    return env, [*COMMON, "--reward", "length_reward:score"]
+
+
+@pytest.fixture(scope="module")
+def one_rank(length_reward, tmp_path_factory):
+    """The reference: one rank, 6 steps at k = 0."""
+    env, common = length_reward
+    folder = tmp_path_factory.mktemp("one") / "run"
+    train([*common, "--steps", "6", "--output-dir", str(folder)], env)
+    return folder
+
+
 @pytest.mark.slow
-def test_two_ranks_take_the_steps_of_one_and_resume_with_any_number(tmp_path):
-    env = {**os.environ, "VCPO_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
-    one, mixed = tmp_path / "one", tmp_path / "mixed"
-    train([*COMMON, "--steps", "6", "--output-dir", str(one)], env)
-    train([*COMMON, "--steps", "2", "--trainer-ranks", "2", "--output-dir", str(mixed)], env)
-    train(["--resume", str(mixed), "--steps", "4", "--trainer-ranks", "1", "--no-progress"], env)  # 2 -> 1
-    train(["--resume", str(mixed), "--steps", "6", "--trainer-ranks", "2", "--no-progress"], env,  # 1 -> 2
+def test_ranks_and_fsdp_take_the_steps_of_one_rank_and_resume_with_any_number(one_rank, length_reward, tmp_path):
+    """2 ranks with the model sharded by FSDP2 for 2 steps, resumed by one rank without FSDP to step 4, then by 2
+    ranks under torchrun to step 6: every step is the one-rank run's (k = 0: the same samples), every sample is
+    consumed once, and the FSDP checkpoint is a plain Hugging Face folder with torch.optim's state."""
+    env, common = length_reward
+    run = tmp_path / "run"
+    train([*common, "--steps", "2", "--trainer-ranks", "2", "--fsdp", "--output-dir", str(run)], env)
+    checkpoint = run / "checkpoints" / "step-000002"
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint)
+    optimizer = torch.optim.AdamW(model.parameters())
+    optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=True))
+    assert all(optimizer.state[p]["step"] == 2 for p in model.parameters())
+    train(["--resume", str(run), "--steps", "4", "--trainer-ranks", "1", "--no-fsdp", "--no-progress"], env)  # 2 -> 1
+    train(["--resume", str(run), "--steps", "6", "--trainer-ranks", "2", "--no-fsdp", "--no-progress"], env,  # 1 -> 2
           launcher=("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "vcpo.trainer"))
 
-    reference, rows = read_jsonl(one / "metrics.jsonl"), read_jsonl(mixed / "metrics.jsonl")
+    reference, rows = read_jsonl(one_rank / "metrics.jsonl"), read_jsonl(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [r["step"] for r in reference] == list(range(1, 7))
-    for ref, row in zip(reference, rows):  # k = 0: the same samples, so the same whole-batch step
+    assert all(r["grad_norm"] > 0 for r in reference)
+    for ref, row in zip(reference, rows):
         for key in COMPARED:
             assert row[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (row["step"], key)
-    uids = [tuple(r["uid"]) for r in read_jsonl(mixed / "rollouts.jsonl")]
+    uids = [tuple(r["uid"]) for r in read_jsonl(run / "rollouts.jsonl")]
     assert len(uids) == len(set(uids)) == 6 * 16
-    assert uids == [tuple(r["uid"]) for r in read_jsonl(one / "rollouts.jsonl")]
-    assert json.load(open(mixed / "config.json"))["settings"]["trainer_ranks"] == 2
+    assert uids == [tuple(r["uid"]) for r in read_jsonl(one_rank / "rollouts.jsonl")]
+    settings = json.load(open(run / "config.json"))["settings"]
+    assert settings["trainer_ranks"] == 2 and settings["fsdp"] is True  # the run's own settings, as started
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -80,7 +109,7 @@ def test_a_killed_rank_ends_the_run_and_the_last_checkpoint_resumes(tmp_path):
 
     import psutil
 
-    env = {**os.environ, "VCPO_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     folder = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "vcpo.cli", "train", *COMMON, "--steps", "500", "--trainer-ranks",
                              "2", "--output-dir", str(folder)], env=env, stdout=subprocess.PIPE,
@@ -156,31 +185,3 @@ def test_ranks_get_their_prompt_groups_and_exit_cleanly(tmp_path):
                            str(script), "fail"], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "rank 0 failed" in proc.stderr
     assert time.monotonic() - started < 40, "a failed rank waited for the others (the collective timeout is 60 s)"
-
-
-@pytest.mark.slow
-def test_vcpo_train_with_fsdp_takes_the_steps_of_one_rank_and_resumes_without_it(tmp_path):
-    """`vcpo train --trainer-ranks 2 --fsdp` (rank 0's vLLM engine in its own processes) for 2 steps, resumed by one
-    rank without FSDP for a third: the metrics of a one-rank run (k = 0: the same samples), and checkpoints that
-    are plain Hugging Face folders with torch.optim's state."""
-    # a reward that varies from the first step (the briefly warmed-up model rarely adds right): gradients at once
-    (tmp_path / "length_reward.py").write_text("def score(response, answer):\n    return len(response) / 10\n")
-    env = {**os.environ, "VCPO_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    common = [*COMMON, "--reward", "length_reward:score"]
-    one, run = tmp_path / "one", tmp_path / "run"
-    train([*common, "--steps", "3", "--output-dir", str(one)], env)
-    train([*common, "--steps", "2", "--trainer-ranks", "2", "--fsdp", "--output-dir", str(run)], env)
-    checkpoint = run / "checkpoints" / "step-000002"
-    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint)
-    optimizer = torch.optim.AdamW(model.parameters())
-    optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=False))
-    assert all(optimizer.state[p]["step"] == 2 for p in model.parameters())
-    train(["--resume", str(run), "--steps", "3", "--trainer-ranks", "1", "--no-fsdp", "--no-progress"], env)
-    reference, rows = read_jsonl(one / "metrics.jsonl"), read_jsonl(run / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [r["step"] for r in reference] == [1, 2, 3]
-    assert all(r["grad_norm"] > 0 for r in reference)
-    for ref, row in zip(reference, rows):
-        for key in COMPARED:
-            assert row[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (row["step"], key)
-    assert json.load(open(run / "config.json"))["settings"]["fsdp"] is True

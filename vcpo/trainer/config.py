@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from vcpo.config import VCPOConfig
 
+from .gguf_models import is_gguf
 from .report import parse_report_to
 
 # The update rules offered for comparison; each is a VCPOConfig (docs/trainer.md, "Update rules").
@@ -180,8 +181,8 @@ class TrainConfig:
         if not isinstance(self.vcpo, dict):
             raise ValueError(f"vcpo must be a mapping of VCPO loss options, got {self.vcpo!r}")
         self._validate_sampling()
-        if self.model is not None and not os.path.isdir(self.model):
-            raise ValueError(f"model must be a local Hugging Face model folder, got {self.model!r}")
+        if self.model is not None and not os.path.isdir(self.model) and not is_gguf(self.model):
+            raise ValueError(f"model must be a local Hugging Face model folder or a .gguf file, got {self.model!r}")
         if self.model is None and self.data is not None:
             raise ValueError("data needs model: the built-in tiny model only knows the built-in addition task")
         for name in ("engine_cores", "trainer_cores"):

@@ -86,11 +86,16 @@ def _run_settings(folder: str) -> Optional[dict]:
 
 def resolve_model(model: str) -> tuple[str, Optional[dict]]:
     """(the model folder to evaluate, the settings of its run or None): a run folder gives its latest checkpoint,
-    a checkpoint of a run (<run>/checkpoints/step-N) that run's settings, any other folder is a model."""
+    a checkpoint of a run (<run>/checkpoints/step-N) that run's settings, any other folder is a model, and a .gguf
+    file its converted folder."""
+    from .gguf_models import is_gguf, model_folder
     from .run_folder import RunFolder
 
+    if is_gguf(model):
+        return model_folder(model), None
     if not os.path.isdir(model):
-        raise ValueError(f"model must be a run folder or a local Hugging Face model folder, got {model!r}")
+        raise ValueError(f"model must be a run folder, a local Hugging Face model folder or a .gguf file, got "
+                         f"{model!r}")
     settings = _run_settings(model)
     if settings is not None:
         try:

@@ -26,6 +26,7 @@ from vcpo.step import RolloutBatch
 
 from . import lora, tiny
 from .config import TrainConfig, make_config
+from .gguf_models import model_folder
 from .evaluate import CORRECT_REWARD, held_out
 from .launch import start_engine
 from .pool import EngineUnavailable, ServerPool, WeightSyncError, check_reachable
@@ -190,7 +191,7 @@ def _problems(cfg: TrainConfig, log, make_model: bool = True) -> Problems:
                          "fields")
     train, held = split_problems(load_problems(cfg.data, cfg.prompt_field, cfg.answer_field), cfg.eval_size,
                                  cfg.seed)
-    return Problems(train, held, cfg.model)
+    return Problems(train, held, model_folder(cfg.model, log) if make_model else cfg.model)
 
 
 class Policy:

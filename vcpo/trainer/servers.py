@@ -29,6 +29,7 @@ NCCL_SERVER_ARGS = ["--weight-transfer-config", '{"backend": "nccl"}']  # vLLM's
 PARENT_ENV, TMPDIR_ENV = "VCPO_SERVER_PARENT", "VCPO_SERVER_TMPDIR"  # set by LocalServers for `vcpo serve`
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
+from .gguf_models import is_gguf, model_folder
 
 class ServerStartError(RuntimeError):
     """A local vLLM server exited or did not become healthy while starting."""
@@ -105,6 +106,8 @@ def split_cores(cores: Sequence[int], count: int) -> list[list[int]]:
         raise ValueError(f"engine_servers ({count}) needs at least one core each, but engine_cores has "
                          f"{len(cores)}: {list(cores)}")
     size, extra = divmod(len(cores), count)
+    if argv and is_gguf(argv[0]):  # vLLM serves the converted folder (vcpo/trainer/gguf_models.py)
+        argv = [model_folder(argv[0]), *argv[1:]]
     parts, start = [], 0
     for i in range(count):
         end = start + size + (i < extra)
