@@ -177,6 +177,21 @@ def _replay_matches(got: Tensor, want: Tensor, call: "_Call") -> bool:
     return float((got - want).abs().max()) <= tol
 
 
+def _reentrant_checkpoint_in(root) -> bool:
+    """Whether the autograd graph below `root` holds a reentrant torch.utils.checkpoint segment (Hugging Face's
+    gradient_checkpointing_enable() default): torch.autograd.grad cannot backpropagate through one."""
+    seen, stack = set(), [root]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if type(fn).__name__ == "CheckpointFunctionBackward":
+            return True
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    return False
+
+
 def _floats(tree) -> list:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, Tensor) and t.is_floating_point()]
 
@@ -362,6 +377,11 @@ class PerSequenceGradients:
         parameters' own gradients are not computed (nor accumulated into .grad, nor seen by DDP's hooks);
         `objective.backward()` records the same, at the cost of the parameter gradients."""
         self._check_complete()
+        if _reentrant_checkpoint_in(objective.grad_fn):
+            raise ValueError("the model uses reentrant activation checkpointing (Hugging Face's "
+                             "gradient_checkpointing_enable() default), which cannot backpropagate to the recorded "
+                             "layers only: enable it with gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+                             "{'use_reentrant': False}) (the per-sequence norms are exact with it)")
         waiting = [(c, k) for rec in self._records for c in rec.calls for k, o in enumerate(c.outputs) if o is not None]
         if waiting:
             grads = torch.autograd.grad(objective, [c.outputs[k] for c, k in waiting], retain_graph=retain_graph,
