@@ -67,7 +67,9 @@ def test_evaluate_against_brute_force_counts():
     finally:
         rewards.close()
     assert result["prompts"] == 3
-    assert result["greedy"] == {"accuracy": pytest.approx(2 / 3), "reward": pytest.approx(2 / 3)}
+    assert result["greedy"] == {"accuracy": pytest.approx(2 / 3), "reward": pytest.approx(2 / 3),
+                                "samples": [{"answer": a, "response": g, "reward": float(a == g)}
+                                            for a, g in zip(answers, greedy)]}  # what was scored, beside the score
     correct = [[s == a for s in row] for row, a in zip(samples, answers)]
     sampled = result["sampled"]
     assert sampled["n"] == 4 and sampled["temperature"] == 0.7  # the run's sampling temperature

@@ -38,6 +38,9 @@ def _scores(task, texts: Sequence[str], problems: Sequence, uids: Sequence) -> l
     return [r.reward for r in results]
 
 
+SAMPLES = 8  # greedy responses kept beside each evaluation's score
+
+
 def evaluate(engine, task, prompts: Sequence[Sequence[int]], problems: Sequence, *, n: int = 0,
              seed: int = 0) -> dict:
     """Greedy accuracy and mean reward of `engine` on `prompts` (token ids; `problems` their answers), scored with
@@ -49,7 +52,10 @@ def evaluate(engine, task, prompts: Sequence[Sequence[int]], problems: Sequence,
     rewards = _scores(task, texts, problems, [("eval", i) for i in range(len(texts))])
     result = {"prompts": len(prompts),
               "greedy": {"accuracy": sum(r >= CORRECT_REWARD for r in rewards) / len(rewards),
-                         "reward": sum(rewards) / len(rewards)}}
+                         "reward": sum(rewards) / len(rewards),
+                         # what was scored, so that a gamed score can be seen beside it
+                         "samples": [{"answer": p.answer, "response": t, "reward": r}
+                                     for p, t, r in zip(problems[:SAMPLES], texts, rewards)]}}
     if n > 0:
         outs = engine.generate(prompts, n=n, max_tokens=task.max_new, temperature=task.temperature,
                                seeds=[seed + i * n for i in range(len(prompts))], stop_token_ids=task.stop_ids)
