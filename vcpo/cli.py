@@ -227,8 +227,8 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     _eval_parser(sub)
-    sub.add_parser("serve", help="a vLLM server for `vcpo train --engine server`: the arguments of `vllm serve`",
-                   add_help=False)
+    sub.add_parser("serve", help="a vLLM server for `vcpo train --engine server`: the arguments of `vllm serve`; "
+                                 "with VLLM_API_KEY set, every route needs that key", add_help=False)
     export = sub.add_parser("export", help="a checkpoint as a Hugging Face model folder (a LoRA adapter merged into "
                                            "its base model)")
     export.add_argument("model", metavar="RUN_OR_CHECKPOINT", help="a run folder (its latest checkpoint) or a "

@@ -71,7 +71,7 @@ def test_nccl_check_reads_the_servers_engine(message, refused):
         return httpx.Response(200, json={"world_size": 2})
 
     async def check(transfer):
-        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer), base_url="http://node1:8000") as client:
             await transfer.check(client, "http://node1:8000", "engine_urls")
 
     transfer = NCCLTransfer(device=None, host=None, timeout=5.0, log=print)
@@ -174,11 +174,12 @@ def test_pool_handles_a_failed_nccl_send_as_a_failed_reload():
     urls = ["http://a:1", "http://b:2"]
     pool = ServerPool(urls, weights_dir="/unused", weight_transfer="nccl")
 
-    async def mock_client():
-        return httpx.AsyncClient(transport=httpx.MockTransport(answer))
+    async def mock_client(url):
+        return httpx.AsyncClient(transport=httpx.MockTransport(answer), base_url=url)
 
-    pool._call(pool._client.aclose())
-    pool._client = pool._call(mock_client())
+    for s in pool.servers:
+        pool._call(s.client.aclose())
+        s.client = pool._call(mock_client(s.url))
     pool._nccl = FakeNCCL()
     try:
         pool.load_weights({"w": None}, 3)

@@ -170,7 +170,7 @@ def test_a_server_must_report_the_log_probs_after_the_temperature(answer, refuse
         return httpx.Response(answer[0], json=answer[1])
 
     async def check():
-        async with httpx.AsyncClient(transport=httpx.MockTransport(reply)) as client:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(reply), base_url="http://node1:8000") as client:
             await check_logprobs_mode(client, "http://node1:8000", "engine_urls")
 
     if refused is None:

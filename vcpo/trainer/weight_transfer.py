@@ -1,7 +1,8 @@
 """`weight_transfer: nccl`: new weights go from the trainer's GPU to each server's GPUs over NCCL, with vLLM's own
 trainer-side weight-transfer engine (`NCCLTrainerWeightTransferEngine`, built by `WeightTransferTrainerFactory`)
 driving each server through vLLM's HTTP client (`HTTPVLLMWeightSyncClient`: /init_weight_transfer_engine,
-/start_weight_update, /update_weights, /finish_weight_update). The pool (pool.py) pauses, labels and resumes
+/start_weight_update, /update_weights, /finish_weight_update), whose requests go through the pool's kind of client
+(the servers' key, no proxy; servers.http_client). The pool (pool.py) pauses, labels and resumes
 each server around `send` exactly as for the storage transfer (docs/scale.md).
 
 One NCCL group per server: the trainer is rank 0, the server's workers ranks 1..W. A server that dies breaks
@@ -31,7 +32,7 @@ from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
 from .engine import unique_tensors
 from .pool import TransferError
-from .servers import NCCL_SERVER_ARGS, free_port
+from .servers import NCCL_SERVER_ARGS, UNIX, free_port, http_client
 
 SERVER_FLAG = " ".join(NCCL_SERVER_ARGS[:1] + [f"'{NCCL_SERVER_ARGS[1]}'"])  # as typed in a shell
 HANDSHAKE_SECONDS = 330.0  # vLLM's rendezvous store waits 300 s for the workers; then it fails by itself
@@ -39,35 +40,25 @@ ABORT_GRACE_SECONDS = 30.0  # after an abort, how long the blocked call gets to 
 POLL_SECONDS = 1.0  # how often a transfer in progress is checked for a failed call or a dead server
 
 
-class _Client:
-    """vLLM's HTTP weight-sync client that also keeps the first failure (with the server's answer): the NCCL half
-    of a call whose HTTP half failed never returns by itself, and the watchdog needs to know."""
+class _Client(HTTPVLLMWeightSyncClient):
+    """vLLM's HTTP weight-sync client, its requests sent by http_client (vLLM's own sends no key and goes through
+    any proxy of the environment), keeping the first failure (with the server's answer): the NCCL half of a call
+    whose HTTP half failed never returns by itself, and the watchdog needs to know."""
 
-    def __init__(self, url: str, timeout: float) -> None:
-        self.http = HTTPVLLMWeightSyncClient(url, timeout=timeout)
+    def __init__(self, url: str, key: Optional[str], timeout: float) -> None:
+        super().__init__(url, timeout=timeout)
+        self.http = http_client(url, key, sync=True, timeout=timeout)
         self.error: Optional[str] = None
 
-    def _call(self, name: str, *args) -> None:
+    def _post(self, path: str, json: Optional[dict] = None) -> None:
         try:
-            getattr(self.http, name)(*args)
+            self.http.post("/" + path, json=json).raise_for_status()
         except Exception as e:
             answer = getattr(e, "response", None)
             detail = f"answered {answer.status_code}: {answer.text[:500]}" if answer is not None \
                 else f"{type(e).__name__}: {e}"
-            self.error = self.error or f"/{name} {detail}"
+            self.error = self.error or f"/{path} {detail}"
             raise
-
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self._call("init_weight_transfer_engine", init_info)
-
-    def start_weight_update(self) -> None:
-        self._call("start_weight_update")
-
-    def update_weights(self, update_info) -> None:
-        self._call("update_weights", update_info)
-
-    def finish_weight_update(self, weight_version: Optional[str] = None) -> None:
-        self._call("finish_weight_update", weight_version)
 
 
 class _StateSource(WeightSource):
@@ -89,6 +80,8 @@ class _StateSource(WeightSource):
 def route_address(url: str) -> str:
     """This machine's IPv4 address (vLLM's rendezvous listens on IPv4) on the route to the server at `url`: one
     the server can reach it at. No packet is sent: connecting a UDP socket only picks the route."""
+    if url.startswith(UNIX):  # a server of this machine
+        return "127.0.0.1"
     address = socket.getaddrinfo(urlsplit(url).hostname, 9, family=socket.AF_INET, type=socket.SOCK_DGRAM)[0][4]
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect(address)
@@ -115,8 +108,8 @@ class NCCLTransfer:
     event loop)."""
 
     def __init__(self, *, device: Optional[torch.device], host: Optional[str], timeout: float,
-                 log: Callable[[str], None]) -> None:
-        self.device, self.host, self.timeout, self.log = device, host, timeout, log
+                 log: Callable[[str], None], key: Optional[str] = None) -> None:
+        self.device, self.host, self.timeout, self.key, self.log = device, host, timeout, key, log
         self.worlds: dict[str, int] = {}  # url -> the server's worker count (TP x PP x DP)
         self.engines: dict[str, Any] = {}  # url -> its NCCLTrainerWeightTransferEngine
         self.source: Optional[_StateSource] = None
@@ -124,13 +117,13 @@ class NCCLTransfer:
         self._sending: Optional[asyncio.Lock] = None
 
     async def check(self, client, url: str, setting: str) -> None:
-        """The server runs vLLM's NCCL weight-transfer engine; else ValueError naming `setting`, the URL and the
-        flag. An empty init request is refused by the server either way, but the refusal names its engine, or
+        """The server at `url` (`client` is its own: http_client) runs vLLM's NCCL weight-transfer engine; else
+        ValueError naming `setting`, the URL and the flag. An empty init request is refused by the server either way, but the refusal names its engine, or
         says there is none (a server without --weight-transfer-config); nothing is set up by it."""
         try:
-            world = (await client.get(url + "/get_world_size", timeout=30.0)).json()["world_size"]
+            world = (await client.get("/get_world_size", timeout=30.0)).json()["world_size"]
             # the server closes the connection after an error it raised (uvicorn): not one to reuse
-            answer = await client.post(url + "/init_weight_transfer_engine", json={"init_info": {}}, timeout=30.0,
+            answer = await client.post("/init_weight_transfer_engine", json={"init_info": {}}, timeout=30.0,
                                        headers={"Connection": "close"})
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{setting}: {url}: the NCCL weight-transfer check failed ({type(e).__name__}: {e})") \
@@ -165,7 +158,7 @@ class NCCLTransfer:
                              f"{e}): set weight_transfer_host") from None
         world = 1 + self.worlds[url]
         info = NCCLTrainerInitInfo(master_address=host, master_port=port, world_size=world, rank=0)
-        client = _Client(url, self.timeout)
+        client = _Client(url, self.key, self.timeout)
 
         async def problem() -> Optional[str]:
             return client.error or (None if await alive(url) else "it stopped answering /health")
@@ -261,9 +254,12 @@ class NCCLTransfer:
     def close(self) -> None:
         """Each server's side of its group (best effort: a server may be gone), then the trainer's."""
         for url, engine in self.engines.items():
+            closing = _Client(url, self.key, 10.0)
             try:
-                HTTPVLLMWeightSyncClient(url, timeout=10.0).shutdown_weight_transfer_engine()
+                closing.shutdown_weight_transfer_engine()
             except Exception as e:
                 self.log(f"{url}: /shutdown_weight_transfer_engine failed ({type(e).__name__}: {e})")
+            for client in (closing, engine.client):
+                client.http.close()
             engine.shutdown()
         self.engines = {}
