@@ -5,6 +5,7 @@ model made here (nothing downloaded)."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -137,6 +138,64 @@ def test_data_errors_name_the_problem(tmp_path):
         load_problems(str(tmp_path / "missing.jsonl"), "q", "a")
 
 
+BAD_VALUES = [  # (rows, the row and field named, what the error says it is): each column of one type, for Parquet
+    ([{"q": "1+1=", "a": "2"}, {"q": "2+2=", "a": None}], r"row 1 of .*: the answer \('a'\) is null", "a null answer"),
+    ([{"q": None, "a": "2"}], r"row 0 of .*: the prompt \('q'\) is null", "a null prompt"),
+    ([{"q": {"text": "1+1="}, "a": "2"}], r"row 0 of .*: the prompt \('q'\) is a mapping; a prompt must be",
+     "a mapping prompt"),
+    ([{"q": "1+1=", "a": {"value": 2}}], r"row 0 of .*: the answer \('a'\) is a mapping; an answer must be a string or a finite",
+     "a mapping answer"),
+    ([{"q": "1+1=", "a": [2]}], r"row 0 of .*: the answer \('a'\) is a list", "a list answer"),
+    ([{"q": 11, "a": "2"}], r"row 0 of .*: the prompt \('q'\) is a number \(11\)", "a number prompt"),
+    ([{"q": "1+1=", "a": True}], r"row 0 of .*: the answer \('a'\) is a boolean \(True\)", "a boolean answer"),
+    ([{"q": "1+1=", "a": 2.0}, {"q": "0/0=", "a": float("nan")}], r"row 1 of .*: the answer \('a'\) is a number "
+     r"\(nan\), not finite", "a NaN answer"),
+    ([{"q": ["1+1="], "a": "2"}], r"row 0 of .*: the prompt \('q'\) is a list that is not chat messages", "a list of strings"),
+]
+
+
+@pytest.mark.parametrize("rows, error, case", BAD_VALUES, ids=[case for _, _, case in BAD_VALUES])
+def test_bad_values_name_the_file_row_and_field(tmp_path, rows, error, case):
+    """What used to become plausible text ("None", a dict's repr) is an error naming the file, row and field, in
+    JSONL, Parquet and `datasets` folders alike."""
+    for path in _write_all_formats(tmp_path, rows):
+        with pytest.raises(ValueError, match=f"^data: {error}") as bad:
+            load_problems(path, "q", "a")
+        assert path in str(bad.value)
+    with pytest.raises(ValueError) as bad:  # JSONL rows: their line too
+        load_problems(str(tmp_path / "d.jsonl"), "q", "a")
+    row = int(re.search(r"row (\d+) of", str(bad.value)).group(1))
+    assert f"d.jsonl (line {row + 1}): the" in str(bad.value)
+
+
+def test_numeric_answers_stay_numbers_and_exact_compares_them(tmp_path):
+    """4.0 in the data is the number 4.0 (not the text "4.0"), and --reward exact counts "4" right for it; an
+    integer answer keeps its every digit."""
+    from vcpo.trainer.rewards import exact_match
+
+    rows = [{"q": "2+2=", "a": 4.0}, {"q": "0.1+0.2=", "a": 0.30000000000000004}, {"q": "big", "a": 1e22}]
+    for path in _write_all_formats(tmp_path, rows):
+        got = load_problems(path, "q", "a")
+        assert [p.answer for p in got] == [r["a"] for r in rows] and all(type(p.answer) is float for p in got)
+        assert [exact_match(text, p.answer) for text, p in zip(["4", "0.30000000000000004", "1e22"], got)] == [1] * 3
+        assert [exact_match(text, p.answer) for text, p in zip(["4.0000001", "0.3", "4.0"], got)] == [0] * 3
+    jl = tmp_path / "int.jsonl"
+    jl.write_text(json.dumps({"q": "x", "a": 10 ** 22 + 1}) + "\n")
+    (p,) = load_problems(str(jl), "q", "a")
+    assert p.answer == 10 ** 22 + 1 and exact_match("10000000000000000000001", p.answer) == 1.0
+    assert exact_match("1e22", p.answer) == 0.0  # the nearest double would say equal; the integer does not
+
+
+def test_undecodable_bytes_name_the_file_and_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"q": "1+1=", "a": "2"}\n\n{"q": "caf\xe9", "a": "2"}\n')  # line 3: Latin-1, not UTF-8
+    with pytest.raises(ValueError, match=r"^data: .*d.jsonl:3 is not UTF-8 text \(byte b'\\xe9' at byte 11 of the "
+                                         r"line\)$"):
+        load_problems(str(path), "q", "a")
+    path.write_bytes(b'\xef\xbb\xbf{"q": "caf\xc3\xa9", "a": "2"}\n')  # UTF-8 with a byte-order mark
+    assert [p.prompt for p in load_problems(str(path), "q", "a")] == ["caf\u00e9"]
+
+
 def test_a_conversation_prompt_is_rendered_as_its_messages(tmp_path):
     chat = [{"role": "user", "content": "what is 1+2?"}, {"role": "assistant", "content": "3"},
             {"role": "user", "content": "and 2+2?"}]
@@ -149,7 +208,7 @@ def test_a_conversation_prompt_is_rendered_as_its_messages(tmp_path):
     with pytest.raises(ValueError, match="chat messages needs a chat template"):
         PromptFormat(instruct_tokenizer(), "none").text(p.prompt)
     path.write_text(json.dumps({"prompt": [{"role": "user"}], "answer": "4"}) + "\n")
-    with pytest.raises(ValueError, match="row 0 .* a list prompt must be chat messages"):
+    with pytest.raises(ValueError, match=r"row 0 .*: the prompt \('prompt'\) is a list that is not chat messages"):
         load_problems(str(path), "prompt", "answer")
 
 

@@ -54,7 +54,7 @@ def test_load_problems_jsonl_and_parquet(tmp_path):
     jl = tmp_path / "d.jsonl"
     jl.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
     got = load_problems(str(jl), "q", "a")
-    assert [(p.prompt, p.answer) for p in got] == [(r["q"], str(r["a"])) for r in rows]
+    assert [(p.prompt, p.answer) for p in got] == [(r["q"], r["a"]) for r in rows]  # numbers stay numbers
     import pyarrow as pa
     import pyarrow.parquet as pq
 

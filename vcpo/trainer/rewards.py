@@ -13,9 +13,11 @@ import inspect
 import logging
 import math
 import numbers
+import re
 import threading
 import traceback
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any, Callable, Optional, Sequence
 
 logger = logging.getLogger(__name__)
@@ -26,9 +28,21 @@ def normalise_answer(text: str) -> str:
     return " ".join(text.strip().split())
 
 
-def exact_match(response: str, answer: str) -> float:
-    """1.0 when the response, stripped of surrounding and repeated whitespace, equals the answer, else 0.0."""
-    return float(normalise_answer(response) == normalise_answer(answer))
+_DECIMAL = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?", re.ASCII)
+
+
+def exact_match(response: str, answer: "str | int | float") -> float:
+    """1.0 when the response, stripped of surrounding and repeated whitespace, equals the answer, else 0.0. A
+    numeric answer (an int or float in the data: docs/trainer.md, "Data and prompts") is compared as a number: the
+    response must be a plain decimal number equal to it (an integer answer exactly, a float one as the nearest
+    double)."""
+    text = normalise_answer(response)
+    if isinstance(answer, str):
+        return float(text == normalise_answer(answer))
+    if not _DECIMAL.fullmatch(text):
+        return 0.0
+    number = Decimal(text)
+    return float(number == answer if isinstance(answer, numbers.Integral) else float(number) == answer)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -46,7 +60,7 @@ def math_reward(response: str, answer: str) -> float:
     only works in the main thread: they are off here, and RewardPool's per-call timeout bounds the call."""
     from math_verify import parse, verify
 
-    gold = _parse_gold(answer)
+    gold = _parse_gold(str(answer))  # a number in the data, as Python writes it (4.0, 1e-07)
     pred = parse(response, parsing_timeout=None)
     return float(bool(gold) and bool(pred) and verify(gold, pred, timeout_seconds=None))
 

@@ -1,13 +1,16 @@
 """Prompts: the built-in addition task, a user's data set (JSONL, Parquet, a `datasets` folder), and how a
 prompt becomes the text and the token ids the engine is given (a chat template or none). Rewards: rewards.py.
 
-A dataset is a list of (prompt, answer) strings, each with its data row. Batch j of a run takes the prompts at
+A dataset is a list of problems: a prompt (a string or chat messages), an answer (a string, or a number compared as
+a number by the exact reward) and the data row. Batch j of a run takes the prompts at
 positions [j * P, (j + 1) * P) of an endless stream made of seeded permutations of the training split, one per
 epoch, so the prompts of every batch are a function of (seed, j) alone: a resumed run sees the same stream."""
 
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import os
 import random
 from dataclasses import dataclass, field
@@ -19,7 +22,7 @@ from .rewards import exact_match, resolve_reward  # noqa: F401  (their former ho
 @dataclass(frozen=True)
 class Problem:
     prompt: "str | tuple"  # the text, or a conversation: ({"role": ..., "content": ...}, ...)
-    answer: str
+    answer: "str | int | float"  # as in the data: a string, or a finite number (never a bool)
     row: Optional[dict] = field(default=None, compare=False)  # the whole data row (a reward's `example`)
     index: Optional[int] = field(default=None, compare=False)  # its row number in the data
 
@@ -43,9 +46,10 @@ def addition_problems(count: int, digits: int, seed: int) -> list[Problem]:
     return out
 
 
-def _read_rows(path: str) -> list[dict]:
+def _read_rows(path: str) -> list[tuple[dict, str]]:
     """The rows of a .jsonl or .parquet file, or of a `datasets` folder saved with save_to_disk (a DatasetDict
-    folder: its train split, or its only one)."""
+    folder: its train split, or its only one), each with where it is ("row 3 of PATH", plus "(line 5)" in a JSONL
+    file) for error messages."""
     if os.path.isdir(path):
         if not any(os.path.isfile(os.path.join(path, f)) for f in ("dataset_info.json", "dataset_dict.json")):
             raise ValueError(f"data: {path!r} is a folder but not a `datasets` folder (save_to_disk)")
@@ -57,47 +61,83 @@ def _read_rows(path: str) -> list[dict]:
                 raise ValueError(f"data: the `datasets` folder {path} holds the splits {sorted(ds)}: none is "
                                  "'train'; point data at the split's own folder")
             ds = ds["train"] if "train" in ds else next(iter(ds.values()))
-        return ds.to_list()
+        return [(row, f"row {i} of {path}") for i, row in enumerate(ds.to_list())]
     if not os.path.isfile(path):
         raise ValueError(f"data: no such file or folder {path!r}")
     if path.endswith(".jsonl"):
         rows = []
-        with open(path) as f:
-            for line_no, line in enumerate(f, 1):
+        with open(path, "rb") as f:  # bytes: a decoding error then names its line
+            for line_no, raw in enumerate(f, 1):
+                try:  # a byte-order mark at the start of the file is not part of the first row
+                    line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"data: {path}:{line_no} is not UTF-8 text (byte {raw[e.start:e.start + 1]!r} "
+                                     f"at byte {e.start + 1} of the line)") from None
                 if line.strip():
                     try:
-                        rows.append(json.loads(line))
+                        rows.append((json.loads(line), f"row {len(rows)} of {path} (line {line_no})"))
                     except json.JSONDecodeError as e:
                         raise ValueError(f"data: {path}:{line_no} is not valid JSON ({e})") from None
         return rows
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
+        return [(row, f"row {i} of {path}") for i, row in enumerate(pq.read_table(path).to_pylist())]
     raise ValueError(f"data must be a .jsonl or .parquet file or a `datasets` folder, got {path!r}")
 
 
+def _kind(value) -> str:
+    """A data value's kind, in the words of an error message."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"a boolean ({value})"
+    if isinstance(value, numbers.Number):
+        return f"a number ({value!r})"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    return f"a {type(value).__name__}"
+
+
+def _prompt(value, where: str, column: str) -> "str | tuple":
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in value):
+        return tuple({"role": m["role"], "content": m["content"]} for m in value)
+    what = "a list that is not chat messages (dicts with a role and a content string)" \
+        if isinstance(value, list) and value else _kind(value)
+    raise ValueError(f"data: {where}: the prompt ({column!r}) is {what}; a prompt must be a string or a list of "
+                     "chat messages")
+
+
+def _answer(value, where: str, column: str) -> "str | int | float":
+    if isinstance(value, str) or (isinstance(value, numbers.Real) and not isinstance(value, bool)
+                                  and math.isfinite(value)):
+        return value
+    what = f"{_kind(value)}, not finite" if isinstance(value, numbers.Real) and not isinstance(value, bool) \
+        else _kind(value)
+    raise ValueError(f"data: {where}: the answer ({column!r}) is {what}; an answer must be a string or a finite "
+                     "number")
+
+
 def load_problems(path: str, prompt_field: str, answer_field: str) -> list[Problem]:
-    """The rows of `path` (_read_rows) with a prompt and an answer field; answers are compared as text."""
+    """The rows of `path` (_read_rows) with a prompt (a string, or chat messages) and an answer (a string or a
+    finite number); anything else is an error naming the file, the row and the field."""
     rows = _read_rows(path)
     if not rows:
         raise ValueError(f"data: {path} holds no rows")
     problems = []
-    for i, row in enumerate(rows):
+    for i, (row, where) in enumerate(rows):
         for name, column in (("prompt_field", prompt_field), ("answer_field", answer_field)):
             if not isinstance(row, dict) or column not in row:
-                raise ValueError(f"data: row {i} of {path} has no field {column!r} (set {name}; its fields: "
-                                 f"{sorted(row) if isinstance(row, dict) else type(row).__name__})")
-        prompt = row[prompt_field]
-        if isinstance(prompt, list):
-            if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                       for m in prompt) or not prompt:
-                raise ValueError(f"data: row {i} of {path}: a list prompt must be chat messages, dicts with a role "
-                                 "and a content string")
-            prompt = tuple({"role": m["role"], "content": m["content"]} for m in prompt)
-        else:
-            prompt = str(prompt)
-        problems.append(Problem(prompt, str(row[answer_field]), row, i))
+                raise ValueError(f"data: {where} has no field {column!r} (set {name}; its fields: "
+                                 f"{sorted(row) if isinstance(row, dict) else _kind(row)})")
+        problems.append(Problem(_prompt(row[prompt_field], where, prompt_field),
+                                _answer(row[answer_field], where, answer_field), row, i))
     return problems
 
 
