@@ -10,7 +10,6 @@ import shlex
 import subprocess
 import sys
 import textwrap
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -353,6 +352,7 @@ def test_refuses_decoupled_weights_and_missing_counts():
 def test_import_verl_loads_the_plugin_in_a_fresh_process(tmp_path):
     """The entry point pyproject.toml declares, installed as package metadata: `import verl` alone registers the
     loss (and, with verl's VERL_USE_EXTERNAL_PLUGINS=none, it does not); `import vcpo` imports no verl."""
+    tomllib = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")  # tomli: Python 3.10
     entry = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["verl.plugins"]
     assert entry == {"vcpo": "vcpo.integrations.verl"}
     info = tmp_path / "vcpo_entry-0.dist-info"

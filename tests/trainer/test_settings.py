@@ -66,6 +66,29 @@ def test_config_files(tmp_path, suffix):
     assert cfg.vcpo == {"is_threshold": 4.0, "ess_base_ratio": 0.5}  # option mappings merge
 
 
+def test_toml_config_on_python_3_10_is_read_with_tomli(tmp_path, monkeypatch):
+    """Python 3.10 has no tomllib: load_file falls back to tomli (the package tomllib came from), which vcpo[train]
+    requires on 3.10 alone. Here 3.10 is imitated: no tomllib, and a tomli that records its use."""
+    import sys
+    import types
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    parser = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")
+    calls = []
+    tomli = types.SimpleNamespace(load=lambda f: calls.append(f.name) or parser.load(f))
+    monkeypatch.setitem(sys.modules, "tomllib", None)  # `import tomllib` raises ModuleNotFoundError
+    monkeypatch.setitem(sys.modules, "tomli", tomli)
+    path = tmp_path / "c.toml"
+    path.write_text('steps = 7\n[vcpo]\nis_threshold = 4.0\n')
+    assert load_file(str(path)) == {"steps": 7, "vcpo": {"is_threshold": 4.0}} and calls == [str(path)]
+    pyproject = parser.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    (req,) = [Requirement(r) for r in pyproject["project"]["optional-dependencies"]["train"] if r.startswith("tomli")]
+    assert req.name == "tomli"
+    assert [req.marker.evaluate({"python_version": v}) for v in ("3.10", "3.11")] == [True, False]
+
+
 def test_config_file_errors(tmp_path):
     bad = tmp_path / "c.yaml"
     bad.write_text("stepz: 3\n")

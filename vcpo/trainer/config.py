@@ -338,7 +338,10 @@ def load_file(path: str) -> dict:
 
             data = yaml.safe_load(f) or {}
         elif path.endswith(".toml"):
-            import tomllib
+            try:
+                import tomllib
+            except ModuleNotFoundError:  # Python 3.10: tomli is the same parser (vcpo[train] installs it there)
+                import tomli as tomllib
 
             data = tomllib.load(f)
         elif path.endswith(".json"):
