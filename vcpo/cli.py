@@ -26,10 +26,12 @@ SETTING_HELP = {
     "model": "a local Hugging Face causal LM folder (default: the built-in tiny Llama)",
     "data": "a .jsonl or .parquet file or a `datasets` folder (save_to_disk) of prompts and answers (default: "
             "the built-in addition task)",
-    "reward": "exact (exact match), math (math-verify: \\boxed{} or plain answers, symbolic equivalence) or "
-              "module:function, called as function(response, answer[, example]) -> float or dict with 'reward'; "
-              "may be async (default: exact)",
-    "reward_workers": "reward calls in flight at once", "reward_timeout": "seconds per reward call",
+    "reward": "exact (exact match), math (the final answer: the last \\boxed{}, else an 'Answer:' line; a number "
+              "when the gold is one, else symbolic equivalence), math-lenient (math-verify's own extraction: the "
+              "last expression anywhere) or module:function, called as function(response, answer[, example]) -> "
+              "float or dict with 'reward', in worker processes (async: in the trainer) (default: exact)",
+    "reward_workers": "reward calls in flight at once (worker processes for a sync function)",
+    "reward_timeout": "seconds per reward call (then its worker process is killed and replaced)",
     "reward_errors": "a reward call that raises or times out: raise (stop the run) or zero (score it 0)",
     "prompt_field": "the data's prompt column", "answer_field": "the data's answer column",
     "chat_template": "auto (the tokenizer's chat template, if it has one), none (prompts as written) or a Jinja "
@@ -166,7 +168,7 @@ def _eval_parser(sub) -> None:
                    help="a run folder (its latest checkpoint), one of its checkpoints, or a model folder")
     p.add_argument("--data", help="a .jsonl/.parquet file or datasets folder, every row evaluated (default: the "
                                   "run's held-out split)")
-    p.add_argument("--reward", help="exact, math or module:function (default: the run's, else exact)")
+    p.add_argument("--reward", help="exact, math, math-lenient or module:function (default: the run's, else exact)")
     p.add_argument("--n", type=int, default=8, help="samples per prompt at the run's temperature (else 1) for "
                                                     "pass@k (0: greedy only) [8]")
     p.add_argument("--seed", type=int, default=0, help="the samples' seed [0]")

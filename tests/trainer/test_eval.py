@@ -14,7 +14,7 @@ import pytest
 
 from vcpo.trainer.engine import Completion
 from vcpo.trainer.evaluate import evaluate, pass_at_k, reported_ks, run_eval
-from vcpo.trainer.rewards import RewardPool, exact_match
+from vcpo.trainer.rewards import RewardPool
 
 
 def brute_pass_at_k(correct: list[bool], k: int) -> float:
@@ -58,7 +58,7 @@ def test_evaluate_against_brute_force_counts():
     greedy = ["12", "70", "30"]
     samples = [["12", "1", "12", "2"], ["0", "0", "0", "0"], ["30", "3", "0", "30"]]
     engine = ScriptedEngine(greedy, samples)
-    rewards = RewardPool(exact_match, workers=2, timeout=10.0, errors="raise")
+    rewards = RewardPool("exact", workers=2, timeout=10.0, errors="raise")
     task = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids, skip_special_tokens: "".join(map(str, ids))),
                            max_new=5, stop_ids=[9], rewards=rewards, temperature=0.7)
     problems = [SimpleNamespace(answer=a, example={"answer": a}) for a in answers]

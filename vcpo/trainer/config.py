@@ -49,7 +49,7 @@ class TrainConfig:
     # what to train on; None = the embedded default (tiny Llama, addition task)
     model: Optional[str] = None
     data: Optional[str] = None
-    reward: Optional[str] = None  # exact (the default), math, or "module:function" (vcpo/trainer/rewards.py)
+    reward: Optional[str] = None  # exact (the default), a BUILTIN_REWARDS name or "module:function" (rewards.py)
     reward_workers: int = 4  # reward calls in flight at once
     reward_timeout: float = 30.0  # seconds per reward call
     reward_errors: str = "raise"  # a failed reward call: raise (stop the run) or zero (score 0)

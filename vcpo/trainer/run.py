@@ -33,7 +33,7 @@ from .pool import EngineUnavailable, ServerPool, WeightSyncError, check_reachabl
 from .ranks import TrainerRanks, full_optimizer_state, full_weights, load_full_optimizer_state, shard
 from .rollouts import GeneratedBatch, Rollout, RolloutProducer, pad_rollouts
 from .run_folder import RunFolder
-from .rewards import RewardError, RewardJob, RewardPool, resolve_reward, reward_metrics
+from .rewards import RewardError, RewardJob, RewardPool, reward_metrics
 from .task import PromptFormat, PromptStream, addition_problems, load_problems, split_problems
 
 BUILTIN_DIGITS = 2  # the built-in task: a + b with a, b < 100
@@ -155,6 +155,8 @@ def _train(cfg: TrainConfig, ranks: TrainerRanks, resume: bool, log: Callable[[s
                         checkpoint()
                 interrupted = interrupt.requested and state.step < cfg.steps
                 wall = clock.elapsed()
+                if interrupted:  # a batch in flight is not kept: a reward call of it is killed, not waited for
+                    task.rewards.close()
                 producer.stop()
                 final_eval = producer.sync_and_evaluate() if not interrupted and problems.eval else None
                 if final_eval is not None:
@@ -162,8 +164,8 @@ def _train(cfg: TrainConfig, ranks: TrainerRanks, resume: bool, log: Callable[[s
                 checkpoint()
             finally:
                 ranks.stop()
+                task.rewards.close()  # before the producer: a reward call in flight is killed, not waited for
                 producer.stop()
-                task.rewards.close()
     summary = _summary(run.path, state, interrupted, wall, engine_seconds, producer, engine, final_eval)
     run.write_json("summary.json", summary)
     if interrupted:
@@ -302,8 +304,7 @@ class Task:
             where = "the prompt" if p.index is None else f"the prompt of data row {p.index}"
             raise ValueError(f"{where} has {len(ids)} tokens: the context (max_model_len {self.max_len}) leaves no "
                              "room for new tokens after it; shorten the prompts or raise max_model_len")
-        self.reward_fn = resolve_reward(cfg.reward)
-        self.rewards = RewardPool(self.reward_fn, workers=cfg.reward_workers, timeout=cfg.reward_timeout,
+        self.rewards = RewardPool(cfg.reward, workers=cfg.reward_workers, timeout=cfg.reward_timeout,
                                   errors=cfg.reward_errors)
         self.stream = PromptStream(len(problems.train), cfg.seed)
 
