@@ -123,6 +123,7 @@ def _killed_then_resumed(folder, env, tmp_path, runs):
     second.wait_for(lambda: len(read_jsonl(folder / "metrics.jsonl")) >= done + 2, "2 steps after the resume")
     server = json.load(open(folder / "servers" / "servers.json"))[0]
     assert server["pid"] in second.seen  # below the run: started by its Ray actor
+    assert server["url"].startswith("http://127.0.0.1:")  # on the trainer's node: loopback only (and a key)
     second.proc.send_signal(signal.SIGTERM)
     assert second.finish() == 0, second.output()[-6000:]
     assert f"resuming {folder} from step {done}" in second.output()
