@@ -131,7 +131,7 @@ def test_sigterm_stops_the_run_while_a_reward_runs_away(tmp_path):
     assert proc.returncode == 0, out[-3000:] + err[-5000:]
     print(f"the run ended {stopped:.1f} s after SIGTERM")
     # far below the call's 600 s: it was killed, not waited for (the rest is the run's checkpoint and shutdown:
-    # 20-32 s on the busy 2-core machine)
+    # 12-32 s on the busy 2-core machine)
     assert "interrupted at step" in out and stopped < 120, (stopped, out[-2000:])
     assert os.path.isdir(tmp_path / "run" / "checkpoints")
     assert not os.path.exists(f"/proc/{runaway}")
