@@ -54,6 +54,8 @@ SETTING_HELP = {
     "ess_scaling": "ESS-scaled learning rate on or off, over the preset",
     "opob": "OPOB with exact per-sequence norms on, or the group mean, over the preset",
     "lr": "AdamW learning rate (default: 3e-4 on the tiny model, else 1e-6)", "weight_decay": "AdamW",
+    "max_skipped_steps": "steps in a row skipped as non-finite (loss, gradient norm or lr scale) that stop the run, "
+                         "after a checkpoint",
     "checkpoint_every": "steps between checkpoints", "keep_checkpoints": "checkpoints kept",
     "eval_every": "versions between greedy evaluations",
     "report_to": "metrics also to tensorboard (<run>/tensorboard) and/or wandb (<run>/wandb), comma-separated",
@@ -120,7 +122,7 @@ def _train_parser(sub) -> argparse.ArgumentParser:
 
 def _train(args: argparse.Namespace, argv: list) -> int:
     from .trainer.config import load_file, make_config
-    from .trainer.run import resume_config, train
+    from .trainer.run import NonFiniteError, resume_config, train
 
     given = vars(args).copy()
     resume = given.pop("resume", None)
@@ -149,7 +151,7 @@ def _train(args: argparse.Namespace, argv: list) -> int:
     try:
         summary = train_on_ray(cfg, resume is not None) if cfg.ray is not None else \
             train(cfg, resume=resume is not None, progress=progress)
-    except (EngineUnavailable, WeightSyncError, ServerStartError, RewardError, TrainerRankDied) as e:
+    except (EngineUnavailable, WeightSyncError, ServerStartError, RewardError, TrainerRankDied, NonFiniteError) as e:
         print(f"vcpo train: error: {e}", file=sys.stderr)
         return 1
     if summary is None:  # a trainer rank > 0: rank 0 reports the run

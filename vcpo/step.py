@@ -24,7 +24,25 @@ from .grad_norms import PerSequenceGradients, UnsupportedModuleError
 from .loss import policy_loss
 from .lr import scale_lr
 
-__all__ = ["RolloutBatch", "step", "token_logp"]
+__all__ = ["RolloutBatch", "SKIP_REASONS", "skip_names", "skip_reason", "step", "token_logp"]
+
+# Why a step was skipped: metrics["skip_reason"] is the sum of these bits (0: taken). A skipped step changes nothing
+# of the model or the optimizer (docs/grad_norms.md, "Skipped steps").
+SKIP_REASONS = {1: "loss", 2: "grad_norm", 4: "lr_scale"}
+
+
+def skip_reason(*, loss: float = 0.0, grad_norm: float = 0.0, lr_scale: float = 1.0, ess_ratio: float = 1.0) -> int:
+    """The SKIP_REASONS bits of a step's whole-batch values (floats; one not given is not checked), 0 for a step to
+    take: a loss, gradient norm or lr scale that is not finite, or an lr scale of 0 from a NaN ESS (the loss's word
+    for "skip the step", docs/contract.md: an optimizer step at lr 0 would still move AdamW's moments)."""
+    bad = (not math.isfinite(loss), not math.isfinite(grad_norm),
+           not math.isfinite(lr_scale) or (lr_scale == 0 and math.isnan(ess_ratio)))
+    return sum(bit for bit, b in zip(SKIP_REASONS, bad) if b)
+
+
+def skip_names(reason: int) -> str:
+    """The SKIP_REASONS of `reason`, for a message: "loss, grad_norm"."""
+    return ", ".join(name for bit, name in SKIP_REASONS.items() if int(reason) & bit)
 
 
 @dataclass
@@ -113,7 +131,10 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch
     cost of host reads). With a data-parallel `process_group` (every rank calling with its own sequences, as many
     as the others, and a global `num_groups`), the ESS, lr scale, baselines, loss normalisation and metrics cover
     the sequences of all ranks and the gradients are averaged over the ranks before clipping, so every rank
-    takes the step of one process on the whole batch (docs/grad_norms.md)."""
+    takes the step of one process on the whole batch (docs/grad_norms.md). A step whose loss, gradient norm or lr
+    scale is not finite is skipped, on every rank alike: the weights and the optimizer's state stay as they were,
+    the gradients are cleared, and the metrics say `skipped` (1.0, else 0.0) and why (`skip_reason`, SKIP_REASONS
+    bits)."""
     config = config if config is not None else VCPOConfig()
     if not isinstance(batch, RolloutBatch):
         raise ValueError(f"batch must be a vcpo.RolloutBatch, got {type(batch).__name__}")
@@ -380,10 +401,15 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatc
         grad_norm=grad_norm, grad_sq_norm_mean=extra["grad_sq_norm_mean"], baseline_mean=out.baseline.mean(),
         advantage_abs_mean=extra["advantage_abs_mean"],
     )
-    lr_scale = metrics["lr_scale"]
-    if not math.isfinite(lr_scale):
-        lr_scale = 0.0
-    with scale_lr(optimizer, lr_scale):
+    # The loss, the norm of the averaged gradient and the ESS are the whole batch's on every rank (a NaN on one rank
+    # is NaN on all after the reductions), so the ranks skip together without a collective of their own.
+    reason = skip_reason(loss=metrics["loss"], grad_norm=metrics["grad_norm"], lr_scale=metrics["lr_scale"],
+                         ess_ratio=metrics["ess_ratio"])
+    metrics.update(skipped=float(reason > 0), skip_reason=float(reason))
+    if reason:
+        optimizer.zero_grad(set_to_none=True)  # weights, moments and step counts stay as they were
+        return metrics
+    with scale_lr(optimizer, metrics["lr_scale"]):
         optimizer.step()
     return metrics
 

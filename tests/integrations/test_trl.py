@@ -14,11 +14,12 @@ import sys
 import pytest
 import torch
 from datasets import Dataset
+from transformers import TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 import vcpo
 from vcpo import VCPOConfig
-from vcpo.integrations.trl import VCPOGRPOConfig, VCPOGRPOTrainer
+from vcpo.integrations.trl import VCPOGRPOConfig, VCPOGRPOTrainer, _no_step
 from vcpo.trainer.servers import free_port
 from vcpo.trainer.tiny import TinyRecipe, build_model, build_tokenizer
 from support.trl_callbacks import Recorder
@@ -249,6 +250,57 @@ def test_chunk_shares_of_an_accumulated_step(tokenizer):
     chunks = [{"completion_mask": m} for m in masks]
     trainer._set_shares(chunks)
     assert [c["vcpo_share"] for c in chunks] == [3 / 6, 3 / 6, 1.0, 0.0]
+
+
+class _Steps(TrainerCallback):
+    """The weights and the optimizer's state after each optimizer step, and whether its `step` was left a no-op."""
+
+    def __init__(self):
+        self.after = []
+
+    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self.after.append(([p.detach().clone() for p in model.parameters()], copy.deepcopy(optimizer.state_dict()),
+                           vars(optimizer).get("step") is _no_step))
+
+
+@pytest.mark.parametrize("value", [-math.inf, math.nan], ids=["-inf", "nan"])
+def test_a_nonfinite_step_is_skipped_whole(tokenizer, recorded, monkeypatch, value):
+    """The first generation batch has one behaviour log-prob of -inf (its ESS is NaN) or NaN (TRL's own rule gives a
+    token vLLM could not score weight 1, so here the policy's log-prob is made NaN instead): its optimizer step is
+    skipped, as vcpo.step skips one, with the weights and AdamW's state as they were; the next batch's step is
+    taken. Logged: vcpo/skipped 1 then 0."""
+    model = tiny_model(tokenizer)
+    batches = recorded(model, stale=False)
+    start = [p.detach().clone() for p in model.parameters()]
+    trainer = make(VCPOGRPOTrainer, tokenizer, model, vcpo_config=VCPOConfig(grad_norms="length"))
+    original = VCPOGRPOTrainer._logps_and_norms
+
+    def poisoned(self, out, mask):
+        logp, g = original(self, out, mask)
+        if len(batches) == 1:  # the first generation batch
+            row, col = mask.nonzero()[0].tolist()
+            if value == -math.inf:
+                out["sampling_per_token_logps"] = logp.detach().clone()
+                out["sampling_per_token_logps"][row, col] = value
+            else:
+                logp = logp.clone()
+                logp[row, col] = value
+        return logp, g
+
+    monkeypatch.setattr(VCPOGRPOTrainer, "_logps_and_norms", poisoned)
+    steps = _Steps()
+    trainer.add_callback(steps)
+    trainer.train()
+
+    (first, state1, patched1), (second, state2, patched2) = steps.after
+    assert all(torch.equal(a, b) for a, b in zip(first, start))  # bitwise: no 0 x NaN, no weight decay
+    assert state1["state"] == {}  # AdamW never stepped: no moments, no step count
+    assert any(not torch.equal(a, b) for a, b in zip(second, start))
+    assert all(torch.isfinite(p).all() for p in second)
+    assert {int(s["step"]) for s in state2["state"].values()} == {1}
+    assert not patched1 and not patched2  # the optimizer's own step is back
+    logs = [h for h in trainer.state.log_history if "vcpo/skipped" in h]
+    assert [h["vcpo/skipped"] for h in logs] == [1.0, 0.0]
 
 
 @pytest.mark.parametrize("overrides, words", [

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
+from transformers import TrainerCallback
 import trl.experimental.async_grpo.packing as packing
 import trl.experimental.async_grpo.async_grpo_trainer as async_grpo_trainer
 from trl.experimental.async_grpo import AsyncGRPOTrainer
@@ -254,6 +255,36 @@ def test_trains_and_matches_policy_loss(tokenizer, model_dir, monkeypatch):
         assert 0.05 < rho < 0.95  # off-policy: the lr scale is not the trivial 1
         assert log["vcpo/ess_ratio"] == pytest.approx(rho, rel=1e-4)
         assert scaled == pytest.approx(base * math.sqrt(min(1.0, rho)), rel=1e-4) and after == base
+
+
+class _Steps(TrainerCallback):
+    """The weights and the optimizer's state after each optimizer step."""
+
+    def __init__(self):
+        self.after = []
+
+    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self.after.append(([p.detach().clone() for p in model.parameters()], copy.deepcopy(optimizer.state_dict())))
+
+
+def test_a_step_with_a_nonfinite_behaviour_logprob_is_skipped_whole(tokenizer, model_dir, monkeypatch):
+    """One sample of the first optimizer step's micro-batches has a behaviour log-prob of -inf (its ESS is NaN): that
+    step is skipped, as vcpo.step skips one (the weights as they were, bitwise), and the next one is taken; logged
+    vcpo/skipped 1 then 0."""
+    path, model = model_dir
+    samples = make_samples(tokenizer, perturbed(model), num_groups=12)
+    first = samples[0]
+    first.old_log_probs[int(np.argmax(first.completion_mask))] = -np.inf
+    trainer = make(VCPOAsyncGRPOTrainer, path, tokenizer, samples, optim="adamw_torch", learning_rate=1e-2)
+    steps = _Steps()
+    trainer.add_callback(steps)
+    start = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    (first, state1), (second, state2) = steps.after
+    assert all(torch.equal(a, b) for a, b in zip(first, start)) and state1["state"] == {}
+    assert any(not torch.equal(a, b) for a, b in zip(second, start))
+    assert {int(s["step"]) for s in state2["state"].values()} == {1}
+    assert [h["vcpo/skipped"] for h in trainer.state.log_history if "vcpo/skipped" in h] == [1.0, 0.0]
 
 
 def test_on_policy_gradient_equals_async_grpo_trainer(tokenizer, model_dir):

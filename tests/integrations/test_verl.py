@@ -4,6 +4,7 @@ oracle; against verl's own losses where the math coincides (`vanilla` with token
 verl's decoupled sequence IS weights, `bypass_mode` REINFORCE); the plugin found by `import verl` in a fresh
 process; VCPOAdamW's lr scale over micro-batches and over two gloo ranks against the float64 ESS."""
 
+import copy
 import math
 import os
 import shlex
@@ -257,6 +258,38 @@ def test_optimizer_step_runs_at_the_scaled_lr_and_restores_it():
         opt.step()
 
 
+@pytest.mark.parametrize("bad, grad, reason", [
+    (-math.inf, "finite", "lr_scale"),  # s_i = +inf: a finite loss and gradient, but a NaN ESS (lr scale 0)
+    (None, "nan", "grad_norm"),  # a NaN gradient (verl's actor skips it before calling step; used alone, VCPOAdamW)
+])
+def test_a_nonfinite_step_is_skipped_whole(bad, grad, reason):
+    """A step at lr scale 0 would still move AdamW's moments and step count; a NaN gradient would write NaN: such a
+    step is skipped, as vcpo.step skips one (weights and state bitwise as they were, gradients cleared)."""
+    mask, mu, lp, adv = batch(4)
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = vv.VCPOAdamW([p], lr=0.1, weight_decay=0.1)
+    opt.zero_grad()
+    vv.vcpo_policy_loss(mu, lp, adv[:, None] * mask, mask, "token-mean", actor_config(threshold=2.0))
+    p.grad = torch.tensor([1.0, -2.0, 0.5])
+    opt.step()  # a finite step: AdamW has state now
+    assert opt.vcpo_stats["skipped"] == 0.0
+    before, state = p.detach().clone(), copy.deepcopy(opt.state_dict())
+    opt.zero_grad()
+    if bad is not None:
+        mu = mu.clone()
+        mu[0, 0] = bad
+    vv.vcpo_policy_loss(mu, lp, adv[:, None] * mask, mask, "token-mean", actor_config(threshold=2.0))
+    p.grad = torch.tensor([1.0, math.nan if grad == "nan" else -2.0, 0.5])
+    with pytest.warns(UserWarning, match=f"step skipped, not finite: {reason}"):
+        opt.step()
+    assert torch.equal(p.detach(), before) and p.grad is None
+    after = opt.state_dict()["state"][0]
+    assert after.keys() == state["state"][0].keys() == {"step", "exp_avg", "exp_avg_sq"}
+    assert all(torch.equal(after[k], state["state"][0][k]) for k in after)  # moments and step count
+    assert opt.vcpo_stats["skipped"] == 1.0 and opt.vcpo_stats["skip_reason"] in (2.0, 4.0)
+    assert opt.param_groups[0]["lr"] == 0.1
+
+
 def test_ess_sums_in_log_space_and_degenerate_weights():
     """_log_sums/_merge over micro-batches against vcpo_kernels.effective_sample_size (float64, torch) on the
     concatenation: log weights of +-1e4, a micro-batch of zero weights, an empty one; all weights zero or a NaN
@@ -297,8 +330,24 @@ def _lr_stats_on_rank(rank, same):
     return opt.vcpo_stats
 
 
+def _nan_gradient_on_rank_1(rank):
+    """Rank 1's gradient has a NaN (a shard of FSDP, say), rank 0's is finite: both skip (the gathered maximum)."""
+    mask, mu, lp, adv = batch(5, b=7, spread=0.6)
+    config = actor_config(threshold=4.0)
+    config.global_batch_info.update(dp_size=2, batch_num_tokens=int(mask.sum()), global_batch_size=7)
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = vv.VCPOAdamW([p], lr=1.0)
+    opt.zero_grad()
+    rows = [0, 1, 2, 3] if rank == 0 else [4, 5, 6]
+    core_algos.get_policy_loss_fn("vcpo")(mu[rows], lp[rows], (adv[:, None] * mask)[rows], mask[rows], "token-mean",
+                                          config)
+    p.grad = torch.tensor([1.0, math.nan if rank == 1 else 2.0])
+    opt.step()
+    return {**opt.vcpo_stats, "weights": p.detach().clone()}
+
+
 def _on_rank(rank):
-    return {same: _lr_stats_on_rank(rank, same) for same in (False, True)}
+    return {**{same: _lr_stats_on_rank(rank, same) for same in (False, True)}, "nan": _nan_gradient_on_rank_1(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -318,6 +367,13 @@ def test_two_gloo_ranks_take_the_same_lr_scale(two_ranks, same):
     want = oracle_of(mask, mu, lp, adv, is_threshold=4.0, lr_rule="linear", ess_base_ratio=0.9)
     assert 0 < want["lr_scale"] < 1 and r0["num_seqs"] == 6 * (2 if same else 1)
     assert math.isclose(r0["lr_scale"], want["lr_scale"], rel_tol=1e-12)
+
+
+@pytest.mark.slow
+def test_a_nan_gradient_on_one_rank_skips_the_step_on_both(two_ranks):
+    r0, r1 = (r["nan"] for r in two_ranks)
+    assert r0["skipped"] == r1["skipped"] == 1.0 and r0["skip_reason"] == r1["skip_reason"] == 2.0
+    assert torch.equal(r0["weights"], torch.zeros(2)) and torch.equal(r1["weights"], torch.zeros(2))
 
 
 @pytest.mark.parametrize("change,match", [

@@ -151,3 +151,37 @@ def test_producer_reports_its_failures_and_out_of_bounds_lag():
                            next_batch=6, end_batch=6, pending=[stale])
     with pytest.raises(StalenessError, match="lag 5"):
         prod.take(5)
+
+
+@pytest.mark.parametrize("concurrent", [False, True])
+def test_stop_aborts_the_generation_in_flight_and_waits_a_bounded_time(concurrent):
+    """stop(timeout, abort): the generation in flight is aborted (its batch never reaches pending, so no checkpoint
+    holds it), the threads end within the timeout, and a thread that ignores the abort is left behind, named."""
+    release = threading.Event()
+    started = threading.Event()
+
+    def make_batch(index, version):
+        if index == 1:
+            started.set()
+            if not release.wait(30):
+                raise AssertionError("never aborted")
+            raise RuntimeError("aborted")
+        return GeneratedBatch(index, version, [])
+
+    prod = RolloutProducer(make_batch=make_batch, load_weights=lambda w, v: None, max_staleness=1, version=0,
+                           next_batch=0, end_batch=5, concurrent_sync=concurrent).start()
+    assert prod.take(0).index == 0
+    assert started.wait(10) and prod.in_flight == 1
+    t0 = time.perf_counter()
+    assert prod.stop(timeout=5, abort=release.set) == []
+    assert time.perf_counter() - t0 < 2 and prod.in_flight == 0
+    assert prod.snapshot() == (1, [])  # batch 1 was in flight: generated again after a resume
+
+    stuck = threading.Event()
+    prod = RolloutProducer(make_batch=lambda i, v: stuck.wait(30), load_weights=lambda w, v: None, max_staleness=0,
+                           version=0, next_batch=0, end_batch=1).start()
+    time.sleep(0.2)
+    t0 = time.perf_counter()
+    assert prod.stop(timeout=0.5, abort=lambda: None) == ["vcpo-rollouts"]
+    assert time.perf_counter() - t0 < 1.5
+    stuck.set()

@@ -1,6 +1,7 @@
 """Faults of `engine: server` on real vLLM servers started by `vcpo train --engine-servers`: one server killed
 mid-run (the run goes on with the other), then the last one (checkpoint and a clear error naming both URLs),
-then `--resume` with a different number of servers: every sample is consumed exactly once."""
+then `--resume` with a different number of servers: every sample is consumed exactly once. The trainer killed
+(its servers go too) and resumed, then stopped by SIGTERM with a batch in flight (out within 10 s)."""
 
 import json
 import os
@@ -10,6 +11,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 
@@ -52,7 +54,7 @@ def test_servers_killed_mid_run_then_resume_with_another_pool(tmp_path):
 
     wait_for_step(4)
     servers = json.load(open(folder / "servers" / "servers.json"))
-    assert len(servers) == 2 and all(s["url"].startswith("http://127.0.0.1:") for s in servers)
+    assert len(servers) == 2 and all(s["url"].startswith("unix:") for s in servers)  # no port another user can reach
     os.killpg(servers[0]["pid"], signal.SIGKILL)  # the server and its engine processes
     killed_at = len(read_jsonl(metrics))
     wait_for_step(killed_at + 8)  # the run goes on with one server
@@ -90,44 +92,87 @@ def test_servers_killed_mid_run_then_resume_with_another_pool(tmp_path):
     assert len(new) == 1 and gone(new[0]["pid"]) and not os.path.exists(new[0]["tmp"])
 
 
-def test_sigterm_checkpoints_and_stops_the_servers_and_sigkill_takes_them_down(tmp_path):
-    """SIGTERM (a scheduler's stop): the step finishes, a checkpoint is written, the local server is stopped and
-    its temporary folder removed, exit 0. SIGKILL of the trainer: its servers end too (they are told by the
-    kernel when their parent dies)."""
+def long_answers(folder):
+    """A tiny random Llama (the built-in architecture, 512 positions) that never ends a response: its LM head is
+    scaled up so the logits are peaked, and the EOS row is 0, so EOS is never sampled and every response runs to
+    max_new_tokens (a batch takes long to generate, the trainer's step on its few sequences does not); and a
+    data file of addition prompts for it. Returns (model folder, data file)."""
+    from vcpo.trainer import tiny
+
+    tok = tiny.build_tokenizer()
+    model = tiny.build_model(tiny.TinyRecipe(max_positions=512), len(tok))
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight
+        head.mul_(100)
+        head[tok.eos_token_id] = 0
+    model.save_pretrained(folder / "model")
+    tok.save_pretrained(folder / "model")
+    data = folder / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in range(40)))
+    return str(folder / "model"), str(data)
+
+
+def test_sigkill_takes_the_servers_down_and_sigterm_with_a_batch_in_flight_exits_within_10_s(tmp_path):
+    """SIGKILL of the trainer: its servers end too (they are told by the kernel when their parent dies), and the
+    resume removes the checkpoint being written and drops the log lines after its checkpoint. SIGTERM of the resumed
+    run with a batch in flight (a scheduler's stop: SIGKILL follows within about 30 s): the step finishes, the
+    checkpoint is written, the generation is aborted, the server stopped and its temporary folder removed, exit 0
+    within 10 s; every sample consumed by the two runs is in rollouts.jsonl exactly once."""
+    from vcpo.trainer.run_folder import RunFolder
+    from vcpo.trainer.task import PromptStream, load_problems, split_problems
+
     env = {**os.environ, "VCPO_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+    model, data = long_answers(tmp_path)
     folder = tmp_path / "run"
-    args = ["--engine-servers", "1", "--no-progress", "--steps", "200", "--checkpoint-every", "100"]
-    first = subprocess.Popen([sys.executable, "-m", "vcpo.cli", "train", "--engine", "server", "--prompts-per-step",
-                              "4", "--responses-per-prompt", "4", "--eval-size", "16", "--eval-every", "0",
-                              "--warm-start-steps", "30", "--output-dir", str(folder), *args], env=env,
+    args = ["--engine-servers", "1", "--no-progress", "--steps", "200", "--checkpoint-every", "2"]
+    first = subprocess.Popen([sys.executable, "-m", "vcpo.cli", "train", "--engine", "server", "--model", model,
+                              "--data", data, "--max-new-tokens", "300", "--prompts-per-step", "2",
+                              "--responses-per-prompt", "2", "--loss", "grpo", "--max-staleness", "2", "--eval-size",
+                              "8", "--eval-every", "0", "--output-dir", str(folder), *args], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = folder / "metrics.jsonl"
 
-    def wait_for_steps(proc, n):
-        deadline = time.time() + 600
-        while len(read_jsonl(metrics)) < n:
+    def wait_for(proc, done):
+        deadline = time.time() + 900
+        while not done():
             assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-5000:]
             time.sleep(0.01)
 
-    wait_for_steps(first, 3)
+    wait_for(first, lambda: os.path.isdir(folder / "checkpoints" / "step-000002"))  # a checkpoint to resume from
     server = json.load(open(folder / "servers" / "servers.json"))[0]
-    first.send_signal(signal.SIGTERM)
-    out, err = first.communicate(timeout=300)
-    assert first.returncode == 0, err[-5000:]
-    summary = json.load(open(folder / "summary.json"))
-    assert summary["interrupted"] and 3 <= summary["steps"] < 200
-    assert f"interrupted at step {summary['steps']}" in out + err
-    assert sorted(os.listdir(folder / "checkpoints")) == [f"step-{summary['steps']:06d}"]
-    assert gone(server["pid"]) and not os.path.exists(server["tmp"])
-
-    second = subprocess.Popen([sys.executable, "-m", "vcpo.cli", "train", "--resume", str(folder), *args], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for_steps(second, summary["steps"] + 2)
-    server = json.load(open(folder / "servers" / "servers.json"))[0]
-    second.kill()
-    out, err = second.communicate(timeout=60)
-    assert f"resuming {folder} from step {summary['steps']}" in out + err
+    first.kill()
+    first.communicate(timeout=60)
     deadline = time.time() + 60
     while not gone(server["pid"]) and time.time() < deadline:
         time.sleep(0.2)
     assert gone(server["pid"]) and not os.path.exists(server["tmp"])
+    resumed_from = int(os.path.basename(RunFolder.latest_checkpoint(str(folder))).split("-")[1])
+
+    second = subprocess.Popen([sys.executable, "-m", "vcpo.cli", "train", "--resume", str(folder), *args], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # its lines reach the file whole at each checkpoint (count them by their ends: one may be half written)
+    wait_for(second, lambda: metrics.read_bytes().count(b"\n") >= resumed_from + 2)
+    server = json.load(open(folder / "servers" / "servers.json"))[0]
+    signalled = time.perf_counter()
+    second.send_signal(signal.SIGTERM)
+    out, err = second.communicate(timeout=300)
+    exit_seconds = time.perf_counter() - signalled
+    assert second.returncode == 0, err[-5000:]
+    print(f"SIGTERM to exit: {exit_seconds:.1f} s")
+    assert f"resuming {folder} from step {resumed_from}" in out + err
+    assert "batch(es) in flight abandoned" in out + err  # the SIGTERM came with a batch in flight
+    assert exit_seconds < 10, (exit_seconds, err[-3000:])
+    summary = json.load(open(folder / "summary.json"))
+    steps = summary["steps"]
+    assert summary["interrupted"] and resumed_from + 2 <= steps < 200
+    assert f"interrupted at step {steps}" in out + err
+    assert sorted(os.listdir(folder / "checkpoints"))[-1] == f"step-{steps:06d}"  # and no .tmp left
+    assert gone(server["pid"]) and not os.path.exists(server["tmp"])
+
+    train, _ = split_problems(load_problems(data, "prompt", "answer"), 8, 0)
+    stream = PromptStream(len(train), seed=0)
+    uids = [tuple(r["uid"]) for r in read_jsonl(folder / "rollouts.jsonl")]
+    assert len(uids) == len(set(uids))
+    assert set(uids) == {(j, i, r) for j in range(steps) for i in stream.batch(j, 2) for r in range(2)}
+    assert [r["step"] for r in read_jsonl(metrics)] == list(range(1, steps + 1))
+    assert all(len(r["response_ids"]) == 300 for r in read_jsonl(folder / "rollouts.jsonl"))

@@ -1,8 +1,10 @@
 """`vcpo train` end to end with a real vLLM engine (in-process, eager, float32) on the built-in tiny model:
 outputs, bounded staleness, Ctrl-C and resume, weight sync, a user model with user data and reward.
-Each run is a `vcpo` subprocess: vLLM's engine changes process-wide settings (thread binding)."""
+Each run is a `vcpo` subprocess: vLLM's engine changes process-wide settings (thread binding). Last, faults with a
+fake engine in this process: steps skipped in a row stop the run, SIGTERM with a batch in flight."""
 
 import json
+import math
 import os
 import signal
 import struct
@@ -12,6 +14,7 @@ import textwrap
 import time
 
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 
@@ -254,3 +257,115 @@ def test_default_engine_runs_in_its_own_processes_on_its_own_cores(env, tmp_path
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) >= 2:
         assert f"cores: engine [{cores[-1]}], trainer {cores[:-1]}" in proc.stdout + proc.stderr
+
+
+# -- faults with a fake engine (in this process; no vLLM engine is started) -----------------------------------------------
+class FakeEngine:
+    """Stands in for the rollout engine: response tokens drawn from the prompt's seed, each with log-prob -1.
+    `poison`: every response's first token gets a behaviour log-prob of -inf (every step is then non-finite);
+    `block_from`: the generate call with that index (= the batch, one batch at a time) and the later ones block until
+    abort(), after sending this process SIGTERM (a scheduler's stop while a batch is in flight)."""
+
+    def __init__(self, poison=False, block_from=None, on_abort=lambda: None):
+        import threading
+
+        self.poison, self.block_from, self.on_abort = poison, block_from, on_abort
+        self.calls, self.aborted, self.signalled = 0, threading.Event(), None
+
+    def generate(self, prompts, *, n, max_tokens, temperature, seeds=None, stop_token_ids=()):
+        import random
+
+        from vcpo.trainer.engine import Completion, GenerationAborted
+
+        call, self.calls = self.calls, self.calls + 1
+        if self.block_from is not None and call >= self.block_from:
+            self.signalled = time.perf_counter()
+            os.kill(os.getpid(), signal.SIGTERM)
+            self.aborted.wait(60)
+            raise GenerationAborted("aborted")
+        out = []
+        for seed in seeds:
+            rng = random.Random(seed)
+            out.append([Completion(ids := [rng.randrange(4, 20) for _ in range(max_tokens)],
+                                   [-math.inf if self.poison and t == 0 else -1.0 for t in range(len(ids))],
+                                   "length") for _ in range(n)])
+        return out
+
+    def load_weights(self, state, version):
+        pass
+
+    def abort(self):
+        self.on_abort()
+        self.aborted.set()
+
+    def close(self):
+        pass
+
+
+def train_with(engine, monkeypatch, tmp_path, resume=False, **settings):
+    """vcpo.trainer.train in this process with `engine` for the rollouts: the built-in task, no held-out split."""
+    from contextlib import contextmanager
+
+    from vcpo.trainer import make_config
+    from vcpo.trainer import run as run_module
+
+    @contextmanager
+    def fake_start_engine(cfg, **kwargs):
+        yield engine, 0.0
+
+    monkeypatch.setattr(run_module, "start_engine", fake_start_engine)
+    folder = str(tmp_path / "run")
+    cfg = run_module.resume_config(folder, **settings) if resume else make_config(
+        output_dir=folder, engine="inprocess", prompts_per_step=2, responses_per_prompt=2, max_new_tokens=4,
+        eval_size=0, warm_start_steps=0, checkpoint_every=100, **settings)
+    return run_module.train(cfg, resume=resume, progress=False), folder
+
+
+def test_a_run_stops_after_max_skipped_steps_with_a_checkpoint_of_the_last_finite_weights(monkeypatch, tmp_path):
+    """Every batch has a -inf behaviour log-prob: each step is skipped (logged as such), and the third in a row stops
+    the run with NonFiniteError after a checkpoint whose weights are the model's own, and finite."""
+    from safetensors.torch import load_file
+
+    from vcpo.trainer.run import NonFiniteError
+
+    with pytest.raises(NonFiniteError, match="3 steps in a row were skipped .*steps 1-3.*Checkpoint written at "
+                                             "step 3 with the weights of step 0.*--resume"):
+        train_with(FakeEngine(poison=True), monkeypatch, tmp_path, steps=10, max_skipped_steps=3)
+    folder = tmp_path / "run"
+    rows = read_jsonl(folder / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["skipped"] == 1.0 and r["skip_reason"] > 0 and r["lr"] == 0.0 for r in rows)
+    assert len(read_jsonl(folder / "rollouts.jsonl")) == 3 * 4
+    checkpoint = folder / "checkpoints" / "step-000003"
+    start = json.load(open(folder / "config.json"))["model_dir"]
+    saved, initial = load_file(checkpoint / "model.safetensors"), load_file(os.path.join(start, "model.safetensors"))
+    assert saved.keys() == initial.keys() and all(torch.equal(saved[k], initial[k]) for k in saved)
+    assert all(torch.isfinite(t).all() for t in saved.values())
+    assert torch.load(checkpoint / "optimizer.pt", weights_only=True)["state"] == {}  # no step was taken
+
+
+def test_sigterm_with_a_batch_in_flight_checkpoints_first_then_aborts_and_resume_loses_nothing(monkeypatch, tmp_path):
+    """SIGTERM while the trainer waits for batch 2, which is being generated: the checkpoint of step 2 is written
+    before the generation is aborted (a scheduler's SIGKILL may follow), the run returns at once, and a resume
+    generates batch 2 again and consumes every sample exactly once."""
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-000002"
+    seen = {}
+    engine = FakeEngine(block_from=2, on_abort=lambda: seen.setdefault("checkpoint_at_abort", checkpoint.is_dir()))
+    summary, folder = train_with(engine, monkeypatch, tmp_path, steps=4, max_staleness=0)  # batch 2 after step 2
+    stopped = time.perf_counter() - engine.signalled
+    assert summary["interrupted"] and summary["steps"] == 2
+    assert seen["checkpoint_at_abort"]  # the checkpoint came first
+    assert stopped < 5, stopped  # no wait for the batch in flight
+    state = torch.load(checkpoint / "trainer_state.pt", weights_only=True)
+    assert state["next_batch"] == 2 and state["pending"] == []  # batch 2 was in flight: not in the checkpoint
+
+    summary, _ = train_with(FakeEngine(), monkeypatch, tmp_path, resume=True)
+    assert summary["steps"] == 4 and not summary["interrupted"]
+    uids = [tuple(r["uid"]) for r in read_jsonl(os.path.join(folder, "rollouts.jsonl"))]
+    from vcpo.trainer.run import BUILTIN_PROBLEMS
+    from vcpo.trainer.task import PromptStream
+
+    stream = PromptStream(BUILTIN_PROBLEMS, seed=0)
+    assert len(uids) == len(set(uids)) == 16
+    assert set(uids) == {(j, i, r) for j in range(4) for i in stream.batch(j, 2) for r in range(2)}
+    assert [r["step"] for r in read_jsonl(os.path.join(folder, "metrics.jsonl"))] == [1, 2, 3, 4]

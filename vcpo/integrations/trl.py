@@ -10,6 +10,7 @@ and the lr scale of each optimizer step's sequences."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import warnings
 from contextlib import ExitStack, nullcontext
@@ -28,7 +29,7 @@ from ..distributed import agg_count
 from ..grad_norms import PerSequenceGradients, UnsupportedModuleError
 from ..loss import policy_loss
 from ..lr import scale_lr
-from ..step import token_logp
+from ..step import skip_names, skip_reason, token_logp
 
 __all__ = ["VCPOAsyncGRPOConfig", "VCPOAsyncGRPOTrainer", "VCPOGRPOConfig", "VCPOGRPOTrainer"]
 
@@ -53,21 +54,61 @@ def _loss_mask(batch) -> torch.Tensor:
     return mask if "tool_mask" not in batch else mask & (batch["tool_mask"] != 0)
 
 
+def _grad_max(model) -> torch.Tensor:
+    """The largest |entry| of the model's gradients, on the device (no host read): NaN or inf when one is not
+    finite. Under DDP the same on every process (the all-reduced gradient); FSDP2's shards: reduced over the ranks."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return torch.zeros((), dtype=torch.float64)
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=math.inf)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def _no_step(*args, **kwargs) -> None:
+    return None
+
+
+class _OptimizerStep:
+    """One optimizer step of HF's Trainer, from on_pre_optimizer_step to on_optimizer_step: every param group's lr
+    times the lr scale, restored after; or, as vcpo.step does, no step at all when the gradient or the lr scale is
+    not finite (vcpo.step.skip_reason): the optimizer's `step` is a no-op until on_optimizer_step, so the weights and
+    the optimizer's state stay as they were (Trainer clears the gradients after it). The decision reads values every
+    process shares, so the processes skip together. Logged: `vcpo/skipped` per step, and a warning naming why."""
+
+    def __init__(self, metrics) -> None:
+        self.metrics, self._undo = metrics, None
+
+    def begin(self, optimizer, state, lr_scale: float, ess_ratio: float, grad_max: float) -> None:
+        reason = skip_reason(grad_norm=grad_max, lr_scale=lr_scale, ess_ratio=ess_ratio)
+        self.metrics["vcpo/skipped"].append(float(reason > 0))
+        self._undo = ExitStack()
+        if not reason:
+            self._undo.enter_context(scale_lr(optimizer, lr_scale))
+            return
+        logging.getLogger(__name__).warning("vcpo: optimizer step %d skipped: not finite: %s", state.global_step + 1,
+                                            skip_names(reason))
+        own = vars(optimizer).get("step")  # an instance attribute `step` (accelerate's own patch), if any
+        optimizer.step = _no_step
+        self._undo.callback(lambda: setattr(optimizer, "step", own) if own is not None else delattr(optimizer, "step"))
+
+    def end(self) -> None:
+        if self._undo is not None:
+            self._undo.close()
+            self._undo = None
+
+
 class _ESSLearningRate(TrainerCallback):
-    """Every param group's lr times the generation batch's lr scale around each optimizer step, restored after."""
+    """Each optimizer step at the generation batch's lr scale, or skipped (_OptimizerStep)."""
 
-    def __init__(self) -> None:
-        self.lr_scale = 1.0
-        self._scaled = None
+    def __init__(self, metrics) -> None:
+        self.lr_scale, self.ess_ratio = 1.0, 1.0  # the generation batch's
+        self.step = _OptimizerStep(metrics)
 
-    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
-        self._scaled = ExitStack()
-        self._scaled.enter_context(scale_lr(optimizer, self.lr_scale))
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, model=None, **kwargs):
+        self.step.begin(optimizer, state, self.lr_scale, self.ess_ratio, float(_grad_max(model)))
 
     def on_optimizer_step(self, args, state, control, **kwargs):
-        if self._scaled is not None:
-            self._scaled.close()
-            self._scaled = None
+        self.step.end()
 
 
 class VCPOGRPOTrainer(GRPOTrainer):
@@ -83,7 +124,7 @@ class VCPOGRPOTrainer(GRPOTrainer):
         if not isinstance(self.vcpo_config, VCPOConfig):
             raise ValueError(f"vcpo_config must be a vcpo.VCPOConfig, got {type(self.vcpo_config).__name__}")
         self._refuse_unsupported()
-        self._lr = _ESSLearningRate()
+        self._lr = _ESSLearningRate(self._metrics["train"])
         self.add_callback(self._lr)
         self._rewards_per_func = None
         self._head_only = False  # grad_norms="auto" fell back to the LM head's norm
@@ -163,8 +204,9 @@ class VCPOGRPOTrainer(GRPOTrainer):
             stats = self.accelerator.gather(stats[None]).mean(0)
         stats = stats.tolist()  # one host read per batch
         ess_ratio, lr_scale, ess, baseline_mean, clip_fraction, g_mean = stats
-        self._lr.lr_scale = lr_scale if math.isfinite(lr_scale) else 0.0
-        for name, value in (("ess_ratio", ess_ratio), ("lr_scale", self._lr.lr_scale), ("ess", ess),
+        self._lr.lr_scale, self._lr.ess_ratio = lr_scale, ess_ratio
+        for name, value in (("ess_ratio", ess_ratio), ("lr_scale", lr_scale if math.isfinite(lr_scale) else 0.0),
+                            ("ess", ess),
                             ("baseline_mean", baseline_mean), ("is_clip_fraction", clip_fraction),
                             ("grad_sq_norm_mean", g_mean)):
             self._metrics["train"][f"vcpo/{name}"].append(value)
@@ -247,9 +289,10 @@ class VCPOGRPOTrainer(GRPOTrainer):
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
         attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
         logp, _, _ = self._get_per_token_logps_and_entropies(model, ids, attention, inputs["completion_ids"].shape[1])
-        # Bypass mode: the behaviour policy is the proximal one; the advantages are the generation batch's.
+        # Bypass mode: the behaviour policy is the proximal one; the advantages are the generation batch's. Not
+        # validated: a non-finite one (a NaN ESS) makes a non-finite gradient, and the optimizer step is skipped.
         out = policy_loss(logp, inputs["vcpo_behavior_logps"], config=self.vcpo_config, mask=_loss_mask(inputs),
-                          advantages=inputs["advantages"].to(logp.dtype))
+                          advantages=inputs["advantages"].to(logp.dtype), validate=False)
         self._metrics["train"]["policy_loss"].append(out.loss.item())
         return out.loss * inputs["vcpo_share"]
 
@@ -275,31 +318,31 @@ class VCPOAsyncGRPOConfig(AsyncGRPOConfig):
 
 class _StepESS(TrainerCallback):
     """The ESS of one optimizer step's sequences (all its micro-batches): `compute_loss` adds each micro-batch's
-    log weights and lengths; the step runs with every param group's lr times the resulting scale, restored after."""
+    log weights and lengths; the step runs with every param group's lr times the resulting scale, restored after,
+    or is skipped (_OptimizerStep)."""
 
     def __init__(self, trainer: "VCPOAsyncGRPOTrainer") -> None:
         self.trainer = trainer
         self.log_weights, self.lengths = [], []
-        self._scaled = None
+        self.step = _OptimizerStep(trainer._metrics["train"])
 
-    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, model=None, **kwargs):
         config = self.trainer.vcpo_config
         ess = vcpo_kernels.effective_sample_size(
             torch.cat(self.log_weights), seq_length=torch.cat(self.lengths), ess_base_ratio=config.ess_base_ratio,
             lr_rule=config.lr_rule, is_threshold=config.is_threshold if config.ess_on_corrected else None)
         self.log_weights, self.lengths = [], []
-        ess_value, ratio, scale = torch.stack([ess.ess, ess.ess_ratio, ess.lr_scale]).double().tolist()
-        scale = scale if math.isfinite(scale) else 0.0
+        grad_max = _grad_max(model).to(ess.ess.device)
+        ess_value, ratio, scale, grad_max = torch.stack([ess.ess, ess.ess_ratio, ess.lr_scale, grad_max]) \
+            .double().tolist()  # one host read
         metrics = self.trainer._metrics["train"]
-        for name, value in (("ess", ess_value), ("ess_ratio", ratio), ("lr_scale", scale)):
+        for name, value in (("ess", ess_value), ("ess_ratio", ratio), ("lr_scale", scale if math.isfinite(scale)
+                                                                         else 0.0)):
             metrics[f"vcpo/{name}"].append(value)
-        self._scaled = ExitStack()
-        self._scaled.enter_context(scale_lr(optimizer, scale))
+        self.step.begin(optimizer, state, scale, ratio, grad_max)
 
     def on_optimizer_step(self, args, state, control, **kwargs):
-        if self._scaled is not None:
-            self._scaled.close()
-            self._scaled = None
+        self.step.end()
 
 
 class _WithGroups:

@@ -4,11 +4,13 @@ verl imports this module on `import verl` through the `verl.plugins` entry point
 worker has the loss registered. verl calls the loss once per micro-batch, with the behaviour log-probs as
 `old_log_prob` in its bypass mode; each call adds its sequences' log importance weights to this process's sums
 (log space), and `VCPOAdamW.step` gathers the sums of every rank, forms the mini-batch's ESS ratio and lr scale and
-takes the AdamW step at the scaled lr. `zero_grad` (verl calls it before each mini-batch) starts new sums."""
+takes the AdamW step at the scaled lr, or skips it when the gradient or the lr scale is not finite (as vcpo.step).
+`zero_grad` (verl calls it before each mini-batch) starts new sums."""
 
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -21,6 +23,7 @@ from ..config import VCPOConfig
 from ..distributed import global_share
 from ..loss import policy_loss
 from ..lr import ess_lr_scale, scale_lr
+from ..step import skip_names, skip_reason
 
 __all__ = ["LOSS_MODE", "vcpo_policy_loss", "loss_options", "rejection_entries", "VCPOAdamW"]
 
@@ -96,10 +99,12 @@ def _log_sums(s: Tensor, valid: Tensor) -> Tensor:
 
 
 def _merge(rows: Tensor) -> Tensor:
-    """One row of _log_sums from rows of them (micro-batches, ranks), in row order."""
+    """One row of _log_sums from rows of them (micro-batches, ranks), in row order; columns after the fifth (the
+    ranks' gradient maxima) are taken as their maximum."""
     m = rows[:, 0].max()
     f = torch.where(torch.isneginf(rows[:, 0]), 0.0, torch.exp(rows[:, 0] - torch.where(torch.isneginf(m), 0.0, m)))
-    return torch.stack([m, (rows[:, 1] * f).sum(), (rows[:, 2] * f * f).sum(), rows[:, 3].sum(), rows[:, 4].sum()])
+    return torch.cat([torch.stack([m, (rows[:, 1] * f).sum(), (rows[:, 2] * f * f).sum(), rows[:, 3].sum(),
+                                   rows[:, 4].sum()]), rows[:, 5:].amax(0)])
 
 
 def _sequence_advantages(advantages: Tensor, mask: Tensor) -> Tensor:
@@ -149,10 +154,14 @@ def vcpo_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg
 class VCPOAdamW(torch.optim.AdamW):
     """`torch.optim.AdamW` whose step runs at lr times the ESS lr scale of the sequences the `vcpo` loss saw since
     the last `zero_grad`, over every rank of `process_group` (default: all ranks, when torch.distributed is
-    initialised; one all_gather of five numbers, so every rank takes the same scale). Ranks that hold the same
-    sequences add each equally often, which leaves the ratio unchanged. In verl: `actor.optim.optimizer_impl=
-    vcpo.integrations.verl`, `optimizer=VCPOAdamW`, `lr_rule` and `ess_base_ratio` in `override_optimizer_config`.
-    The last step's `ess`, `ess_ratio`, `lr_scale` and `num_seqs` are in `.vcpo_stats` (floats)."""
+    initialised; one all_gather of six numbers, so every rank takes the same scale). Ranks that hold the same
+    sequences add each equally often, which leaves the ratio unchanged. A step whose gradient (the largest |entry|
+    of every rank's, gathered with the sums) or lr scale is not finite is skipped as vcpo.step skips one: no AdamW
+    step, the gradients cleared. verl's actor already skips the step (and clears the gradients) when its gradient
+    norm is not finite; this adds the NaN ESS, whose lr scale of 0 would still move AdamW's moments. In verl:
+    `actor.optim.optimizer_impl=vcpo.integrations.verl`, `optimizer=VCPOAdamW`, `lr_rule` and `ess_base_ratio` in
+    `override_optimizer_config`. The last step's `ess`, `ess_ratio`, `lr_scale`, `num_seqs`, `skipped` (1.0 or 0.0)
+    and `skip_reason` are in `.vcpo_stats` (floats)."""
 
     def __init__(self, params, *, lr_rule="sqrt", ess_base_ratio=1.0, process_group=None, **adamw_kwargs):
         VCPOConfig(lr_rule=lr_rule, ess_base_ratio=ess_base_ratio)  # ValueError naming a bad value
@@ -165,26 +174,39 @@ class VCPOAdamW(torch.optim.AdamW):
         super().zero_grad(set_to_none)
 
     def lr_scale(self) -> float:
-        """The ESS lr scale of the sums since the last zero_grad, over all ranks (collective: every rank calls it)."""
-        device = self.param_groups[0]["params"][0].device
+        """The ESS lr scale of the sums since the last zero_grad, over all ranks (collective: every rank calls it);
+        `vcpo_stats` gets it, with whether the step is to be skipped."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        grads = [p.grad for p in params if p.grad is not None]
+        device = params[0].device
+        # this rank's largest |gradient entry| (a local shard's with FSDP: the gather below covers the others)
+        grad_max = torch.nn.utils.get_total_norm(grads, norm_type=math.inf) if grads else torch.zeros(())
+        grad_max = (grad_max.to_local() if hasattr(grad_max, "to_local") else grad_max).double().reshape(1)
         empty = torch.tensor([-math.inf, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64)
-        sums = (_merge(torch.stack(_SUMS)) if _SUMS else empty).to(device)
+        sums = torch.cat([(_merge(torch.stack(_SUMS)) if _SUMS else empty).to(device), grad_max.to(device)])
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) > 1:
             parts = [torch.empty_like(sums) for _ in range(dist.get_world_size(self.process_group))]
             dist.all_gather(parts, sums, group=self.process_group)
             sums = _merge(torch.stack(parts))  # in rank order: the same bits on every rank
-        _, s1, s2, n, calls = sums
+        _, s1, s2, n, calls, grad_max = sums
         ess = torch.where(n > 0, s1 * s1 / s2, 0.0)  # all weights 0: NaN, so the scale is 0 (docs/contract.md)
         ratio = torch.where(n > 0, ess / n, 0.0)
         scale = ess_lr_scale(ratio, self.lr_rule, self.ess_base_ratio)
-        ess, ratio, scale, n, calls = torch.stack([ess, ratio, scale, n, calls]).tolist()  # one host read
+        ess, ratio, scale, n, calls, grad_max = torch.stack([ess, ratio, scale, n, calls, grad_max]).tolist()
         if calls == 0:
             raise RuntimeError("VCPOAdamW stepped with no call of the 'vcpo' policy loss on any rank since zero_grad "
                                "(set actor.policy_loss.loss_mode=vcpo)")
-        self.vcpo_stats = {"ess": ess, "ess_ratio": ratio, "lr_scale": scale, "num_seqs": n}
+        reason = skip_reason(grad_norm=grad_max, lr_scale=scale, ess_ratio=ratio)
+        self.vcpo_stats = {"ess": ess, "ess_ratio": ratio, "lr_scale": scale, "num_seqs": n,
+                           "skipped": float(reason > 0), "skip_reason": float(reason)}
         return scale
 
     @torch.no_grad()
     def step(self, closure=None):
-        with scale_lr(self, self.lr_scale()):
+        scale = self.lr_scale()
+        if self.vcpo_stats["skipped"]:
+            warnings.warn(f"VCPOAdamW: step skipped, not finite: {skip_names(self.vcpo_stats['skip_reason'])}")
+            self.zero_grad()  # as verl's actor does for a non-finite gradient norm
+            return None
+        with scale_lr(self, scale):
             return super().step(closure)

@@ -79,6 +79,8 @@ class TrainConfig:
     vcpo: dict = field(default_factory=dict)  # any VCPOConfig field, applied last
     lr: Optional[float] = None  # default 3e-4 on the tiny model, 1e-6 otherwise
     weight_decay: float = 0.0
+    # a non-finite step is skipped (vcpo.step); this many in a row stop the run (docs/trainer.md, Interrupt and resume)
+    max_skipped_steps: int = 10
     # bookkeeping
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
@@ -149,7 +151,7 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a finite number {'>=' if allow_zero else '>'} 0, got {v!r}")
 
         for name in ("steps", "prompts_per_step", "responses_per_prompt", "checkpoint_every", "keep_checkpoints",
-                     "trainer_ranks", "reward_workers"):
+                     "trainer_ranks", "reward_workers", "max_skipped_steps"):
             positive_int(name)
         positive_float("reward_timeout")
         if self.reward_errors not in ("raise", "zero"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -58,6 +59,10 @@ def unique_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+class GenerationAborted(RuntimeError):
+    """RolloutEngine.abort() ended the generation (the run is stopping)."""
+
+
 class RolloutEngine:
     concurrent_sync = False  # weights are loaded between batches, by the thread that generates
 
@@ -71,6 +76,7 @@ class RolloutEngine:
             raise ValueError("engine='process' and LoRA need a sync_dir for the weight files")
         self.mode, self.sync_dir = mode, sync_dir
         self.lora, self.adapter = lora, None  # the adapter config; the LoRARequest every request names
+        self._aborted = threading.Event()
         _set_engine_env(mode, kv_cache_gib, engine_cores)
         from vllm import LLM
 
@@ -94,8 +100,17 @@ class RolloutEngine:
                                  seed=None if seeds is None else int(seeds[i]),
                                  stop_token_ids=list(stop_token_ids), detokenize=False)
                   for i in range(len(prompts))]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False,
-                                 lora_request=self.adapter)
+        # LLM.generate's loop, with a look at abort() between engine steps, in the thread that steps the engine (the
+        # engine is not to be driven from two threads)
+        requests = self.llm.enqueue([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                    use_tqdm=False, lora_request=self.adapter)
+        engine, outs = self.llm.llm_engine, []
+        while engine.has_unfinished_requests():
+            if self._aborted.is_set():
+                engine.abort_request(requests, internal=True)
+                raise GenerationAborted("the rollout engine was stopped during a generation")
+            outs += [out for out in engine.step() if out.finished]
+        outs.sort(key=lambda out: int(out.request_id))  # the prompts' order, as LLM.generate sorts them
         result = []
         for out in outs:
             completions = []
@@ -140,6 +155,11 @@ class RolloutEngine:
             self.llm.llm_engine.remove_lora(previous.lora_int_id)
             if os.path.dirname(previous.lora_path) == self.sync_dir and previous.lora_path != folder:
                 shutil.rmtree(previous.lora_path, ignore_errors=True)
+
+    def abort(self) -> None:
+        """End the generation in flight (GenerationAborted in its thread, within one engine step) and refuse the
+        ones after: the run is stopping."""
+        self._aborted.set()
 
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None

@@ -119,14 +119,15 @@ class RolloutProducer:
         return self
 
     # -- trainer side ---------------------------------------------------------------------------------------
-    def publish(self, version: int, weights: dict) -> float:
+    def publish(self, version: int, weights: dict, should_stop: Callable[[], bool] = lambda: False) -> float:
         """The trainer's weights after its `version`-th step (tensors the trainer will not modify). Returns the
-        seconds it waited: with exact staleness, until batch version - 1 + k has started on version - 1."""
+        seconds it waited: with exact staleness, until batch version - 1 + k has started on version - 1 (or
+        should_stop() turned true)."""
         t0 = time.perf_counter()
         with self._cond:
             if self.exact_staleness:
                 while (self.next_batch < min(version - 1 + self.k + 1, self.end_batch) and self.error is None
-                       and not self._stop):
+                       and not self._stop and not should_stop()):
                     self._cond.wait(timeout=0.2)
             self.version, self._weights = version, weights
             self._cond.notify_all()
@@ -158,13 +159,26 @@ class RolloutProducer:
         with self._cond:
             return self._generated, list(self.pending)
 
-    def stop(self) -> None:
+    @property
+    def in_flight(self) -> int:
+        """Batches being generated now."""
+        with self._cond:
+            return self._in_flight
+
+    def stop(self, timeout: Optional[float] = None, abort: Optional[Callable[[], None]] = None) -> list[str]:
+        """No batch is started from now on. `abort`: ends the generation in flight (its batch then never reaches
+        `pending`: it is generated again after a resume). Waits for the threads, at most `timeout` seconds in all;
+        returns the names of those still running (daemon threads: they do not keep the process alive)."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
+        if abort is not None:
+            abort()
+        deadline = None if timeout is None else time.perf_counter() + timeout
         for thread in self._threads + self._workers:
             if thread.is_alive():
-                thread.join()
+                thread.join(None if deadline is None else max(0.0, deadline - time.perf_counter()))
+        return [t.name for t in self._threads + self._workers if t.is_alive()]
 
     def sync_and_evaluate(self) -> Optional[tuple]:
         """After stop(): load the last published weights and evaluate them (the final evaluation)."""
@@ -254,11 +268,14 @@ class RolloutProducer:
             if self._in_flight == 0:
                 self._busy_since = time.perf_counter()
             self._in_flight += 1
-        batch = self.make_batch(index, version)
+        try:
+            batch = self.make_batch(index, version)
+        finally:  # an aborted batch is no longer in flight either
+            with self._cond:
+                self._in_flight -= 1
+                if self._in_flight == 0:  # generate_seconds: wall time with at least one batch in flight
+                    self.stats.generate_seconds += time.perf_counter() - self._busy_since
         with self._cond:
-            self._in_flight -= 1
-            if self._in_flight == 0:  # generate_seconds: wall time with at least one batch in flight
-                self.stats.generate_seconds += time.perf_counter() - self._busy_since
             self.stats.generated_tokens += sum(len(r.response_ids) for r in batch.rollouts)
             self._done[index] = batch
             while self._generated in self._done:

@@ -7,8 +7,11 @@ files are described in vcpo/trainer/run_folder.py."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
+import math
+import operator
 import os
 import random
 import shutil
@@ -22,7 +25,7 @@ from typing import Callable, Optional
 import torch
 
 import vcpo
-from vcpo.step import RolloutBatch
+from vcpo.step import RolloutBatch, skip_names
 
 from . import lora, tiny
 from .config import TrainConfig, make_config
@@ -42,10 +45,17 @@ BUILTIN_PROBLEMS = 10_000  # every such problem
 RESUMABLE = {"steps", "output_dir", "checkpoint_every", "keep_checkpoints", "eval_every", "engine",
              "engine_cores", "trainer_cores", "kv_cache_gib", "gpu_memory_utilization", "engine_urls",
              "engine_servers", "weights_dir", "weight_swap", "engine_timeout", "trainer_ranks", "report_to",
-             "reward_workers", "reward_timeout", "reward_errors", "fsdp", "ray"}
+             "reward_workers", "reward_timeout", "reward_errors", "fsdp", "ray", "max_skipped_steps"}
 # the metrics of vcpo.step copied into each metrics.jsonl line
 STEP_METRICS = ("loss", "ess_ratio", "lr_scale", "is_clip_fraction", "mean_is_coef", "kl_k3", "ppo_clip_fraction",
-                "grad_norm", "grad_sq_norm_mean", "baseline_mean", "advantage_abs_mean")
+                "grad_norm", "grad_sq_norm_mean", "baseline_mean", "advantage_abs_mean", "skipped", "skip_reason")
+# after a stop request and its checkpoint: how long the rollout threads get to end once their generation is aborted
+STOP_WAIT_S = 2.0
+
+
+class NonFiniteError(RuntimeError):
+    """Training cannot go on with finite weights: too many steps in a row were skipped (the checkpoint of the last
+    finite state is written first), or the weights are not finite (nothing of them was published or saved)."""
 
 
 def resume_config(run_dir: str, **overrides) -> TrainConfig:
@@ -88,7 +98,7 @@ def _follow(cfg: TrainConfig, ranks: TrainerRanks, resume: bool) -> None:
         interrupt.during_steps = True
         ranks.barrier()  # rank 0 checked the run folder and made the model (the built-in one is cached)
         start = RunFolder.latest_checkpoint(cfg.output_dir) if resume else _problems(cfg, print).model_dir
-        policy = Policy(start, cfg, ranks)
+        policy = Policy(start, cfg, ranks, resume=resume)
         while (share := ranks.receive()) is not None:
             policy.step(share)
 
@@ -96,12 +106,12 @@ def _follow(cfg: TrainConfig, ranks: TrainerRanks, resume: bool) -> None:
 def _train(cfg: TrainConfig, ranks: TrainerRanks, resume: bool, log: Callable[[str], None], progress: bool) -> dict:
     if cfg.engine == "server" and cfg.engine_urls is not None:
         check_reachable(cfg.server_urls())  # a wrong URL fails in seconds, before the model is loaded
-    run = RunFolder(cfg.output_dir, resume=resume, report_to=cfg.report_to)
+    run = RunFolder(cfg.output_dir, resume=resume, report_to=cfg.report_to, log=log)
     with _Interrupt() as interrupt:  # from here on a signal ends the run through the `finally`s below
-        start = run.checkpoints()[-1] if resume else None
+        start = run.resume_checkpoint() if resume else None  # before the barrier: the other ranks take the same
         problems = _problems(cfg, log)
         ranks.barrier()
-        policy = Policy(start or problems.model_dir, cfg, ranks)
+        policy = Policy(start or problems.model_dir, cfg, ranks, resume=resume)
         task = Task(cfg, problems, policy.tokenizer, start or problems.model_dir, policy.model.config)
         state = LoopState.load(start, policy) if start else LoopState.fresh(cfg.seed)
         if start:
@@ -127,14 +137,22 @@ def _train(cfg: TrainConfig, ranks: TrainerRanks, resume: bool, log: Callable[[s
             clock = _Clock(elapsed=state.elapsed)
             interrupt.during_steps = True  # a first signal now lets the step finish, then checkpoints
 
-            def checkpoint() -> None:
+            saved = [state.step if start else None]  # the step of the newest checkpoint
+
+            def checkpoint(again: bool = True) -> None:
+                """`again` False: not when the newest checkpoint is of this step already (a stop right after a
+                periodic checkpoint; its batches generated since are generated again after a resume)."""
+                if not again and saved[0] == state.step:
+                    return
                 state.next_batch, state.pending = producer.snapshot()
                 state.elapsed = clock.elapsed()
                 folder = run.new_checkpoint(state.step)
                 policy.save(folder, problems.model_dir)
                 state.save(folder)
                 run.commit_checkpoint(folder, cfg.keep_checkpoints)
+                saved[0] = state.step
 
+            skipped = []  # the steps skipped in a row, up to the last one
             try:
                 producer.start()
                 while state.step < cfg.steps and not interrupt.requested:
@@ -144,8 +162,11 @@ def _train(cfg: TrainConfig, ranks: TrainerRanks, resume: bool, log: Callable[[s
                         break
                     waited = time.perf_counter() - waited
                     row = _train_step(policy, ranks, task.pad_id, producer, engine, batch, state, clock, waited,
-                                      cfg)
+                                      cfg, interrupt)
                     run.log_step(row, batch.rollouts)
+                    skipped = skipped + [row] if row["skipped"] else []
+                    if skipped:
+                        _skipped_step(skipped, cfg.max_skipped_steps, checkpoint, run.path, bar.write if bar else log)
                     if bar is not None:
                         bar.update(1)
                         bar.set_postfix(reward=f"{row['reward']:.3f}", ess=f"{row['ess_ratio']:.2f}",
@@ -155,17 +176,22 @@ def _train(cfg: TrainConfig, ranks: TrainerRanks, resume: bool, log: Callable[[s
                         checkpoint()
                 interrupted = interrupt.requested and state.step < cfg.steps
                 wall = clock.elapsed()
-                if interrupted:  # a batch in flight is not kept: a reward call of it is killed, not waited for
-                    task.rewards.close()
-                producer.stop()
-                final_eval = producer.sync_and_evaluate() if not interrupted and problems.eval else None
-                if final_eval is not None:
-                    run.report(dict(zip(("eval_version", "eval_accuracy", "eval_reward"), final_eval)), state.step)
-                checkpoint()
+                final_eval = None
+                if interrupted:  # the checkpoint first: a scheduler's SIGKILL follows its SIGTERM within seconds
+                    checkpoint(again=False)
+                    task.rewards.close()  # a batch in flight is not kept: its reward calls are killed, not awaited
+                    _stop_producer(producer, engine, log)
+                else:
+                    producer.stop()
+                    final_eval = producer.sync_and_evaluate() if problems.eval else None
+                    if final_eval is not None:
+                        run.report(dict(zip(("eval_version", "eval_accuracy", "eval_reward"), final_eval)),
+                                   state.step)
+                    checkpoint()
             finally:
                 ranks.stop()
                 task.rewards.close()  # before the producer: a reward call in flight is killed, not waited for
-                producer.stop()
+                _stop_producer(producer, engine, log)
     summary = _summary(run.path, state, interrupted, wall, engine_seconds, producer, engine, final_eval)
     run.write_json("summary.json", summary)
     if interrupted:
@@ -203,7 +229,9 @@ class Policy:
     peft LoRA adapters on the frozen base model, AdamW over the adapter alone, the adapter is what the engine gets
     and what a checkpoint holds (vcpo/trainer/lora.py)."""
 
-    def __init__(self, path: str, cfg: TrainConfig, ranks: TrainerRanks) -> None:
+    def __init__(self, path: str, cfg: TrainConfig, ranks: TrainerRanks, resume: bool = False) -> None:
+        """From the model folder or checkpoint `path`; its optimizer.pt only with `resume` (a model folder's, such
+        as a Hugging Face Trainer checkpoint's, belongs to another run: its lr and moments are not this run's)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
@@ -229,11 +257,16 @@ class Policy:
         self.vcpo_config = cfg.vcpo_config()
         self.groups, self.group_size = cfg.prompts_per_step, cfg.responses_per_prompt
         optimizer = os.path.join(path, "optimizer.pt")
-        if os.path.isfile(optimizer) and self.fsdp:  # a checkpoint, in torch.optim's layout (with or without FSDP)
-            state = torch.load(optimizer, weights_only=False) if ranks.main else None
+        if resume and self.fsdp:  # a checkpoint, in torch.optim's layout (with or without FSDP)
+            state = torch.load(optimizer, weights_only=True) if ranks.main else None
             load_full_optimizer_state(self.model, self.optimizer, state, ranks)
-        elif os.path.isfile(optimizer):
-            self.optimizer.load_state_dict(torch.load(optimizer, weights_only=False, map_location=self.device))
+        elif resume:
+            self.optimizer.load_state_dict(torch.load(optimizer, weights_only=True, map_location=self.device))
+        self._trainable = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        bad = self._nonfinite(dict(self.model.named_parameters()))
+        if bad is not None:
+            raise NonFiniteError(f"the weights in {path} are not finite ({bad}: a NaN or an infinity): a run cannot "
+                                 "start from them")
 
     def step(self, batch: RolloutBatch) -> dict:
         """vcpo.step on this rank's share; the proximal policy of PPO clipping is the behaviour policy."""
@@ -241,9 +274,33 @@ class Policy:
             batch = replace(batch, old_logp=batch.behavior_logp)
         self.model.train()
         metrics = vcpo.step(self.model, self.optimizer, batch, self.vcpo_config, process_group=self.process_group)
+        # Every rank checks (the ranks agree: the same weights, or the shards' result reduced) and gathers; then
+        # rank 0 raises, and stops the others. Nothing non-finite is published to the engine or saved.
+        bad = None if metrics["skipped"] else self._nonfinite(self._trainable)
         if self.fsdp:  # every rank takes part in the gather
             self._weights = full_weights(self.model, self.ranks)
+        if bad is not None and self.ranks.main:
+            raise NonFiniteError(f"the weights are not finite after a step with a finite loss, gradient and lr scale "
+                                 f"({bad}: a NaN or an infinity): nothing of them was sent to the engine or saved; "
+                                 "the newest checkpoint holds finite weights")
         return metrics
+
+    def _nonfinite(self, tensors: dict) -> Optional[str]:
+        """The name of a tensor of `tensors` that holds a NaN or an infinity, or None. One fused reduction and one
+        host read (with FSDP, the shards' maxima are reduced over the ranks: every rank agrees); the tensor is
+        looked for only when there is one."""
+        from torch.distributed.tensor import DTensor
+
+        norm = torch.nn.utils.get_total_norm(list(tensors.values()), norm_type=math.inf)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        if bool(torch.isfinite(norm)):
+            return None
+        for name, t in tensors.items():
+            local = t.to_local() if isinstance(t, DTensor) else t
+            if not bool(torch.isfinite(local).all()):
+                return name
+        return "a tensor of another rank's shard"
 
     def rollout_batch(self, rollouts: list[Rollout], pad_id: int) -> RolloutBatch:
         """The generated batch as vcpo.step's padded tensors; prompt groups in order, group_size each."""
@@ -383,7 +440,7 @@ class _Clock:
 
 
 # -- one step -----------------------------------------------------------------------------------------------------
-def _take(producer: RolloutProducer, step: int, interrupt: "_Interrupt", checkpoint: Callable[[], None],
+def _take(producer: RolloutProducer, step: int, interrupt: "_Interrupt", checkpoint: Callable[..., None],
           run_dir: str) -> Optional[GeneratedBatch]:
     """Batch `step` once generated; None when interrupted first. With the pool gone: checkpoint, then an error
     that says how to continue (nothing generated and not consumed is lost; the rest is generated again)."""
@@ -393,7 +450,7 @@ def _take(producer: RolloutProducer, step: int, interrupt: "_Interrupt", checkpo
         cause = e.__cause__
         if not isinstance(cause, (EngineUnavailable, WeightSyncError, RewardError)):
             raise
-        checkpoint()
+        checkpoint(again=False)
         if isinstance(cause, RewardError):
             raise RewardError(f"{cause}\nCheckpoint written at step {step}: once the reward is fixed, continue "
                               f"with `vcpo train --resume {run_dir}`") from None
@@ -401,15 +458,48 @@ def _take(producer: RolloutProducer, step: int, interrupt: "_Interrupt", checkpo
                           f"{run_dir}` and --engine-urls or --engine-servers") from None
 
 
+def _skipped_step(skipped: list[dict], limit: int, checkpoint: Callable[..., None], run_dir: str,
+                  log: Callable[[str], None]) -> None:
+    """The metrics rows of the steps skipped in a row so far (the last one just now): a warning, and after `limit`
+    of them a checkpoint (the weights are those before the first) and NonFiniteError."""
+    row = skipped[-1]
+    log(f"warning: step {row['step']} skipped (batch {row['batch']}): not finite: {skip_names(row['skip_reason'])}; "
+        f"the weights stay those of step {skipped[0]['step'] - 1} ({len(skipped)} skipped in a row, the run stops "
+        f"at {limit})")
+    if len(skipped) < limit:
+        return
+    checkpoint(again=False)
+    reasons = skip_names(functools.reduce(operator.or_, (int(r["skip_reason"]) for r in skipped)))
+    raise NonFiniteError(
+        f"{len(skipped)} steps in a row were skipped (steps {skipped[0]['step']}-{row['step']}, batches "
+        f"{skipped[0]['batch']}-{row['batch']}: not finite: {reasons}). Checkpoint written at step {row['step']} "
+        f"with the weights of step {skipped[0]['step'] - 1}, the last finite ones. Look for non-finite behaviour "
+        f"log-probs or rewards in the samples of those steps (rollouts.jsonl of {run_dir}); continue with "
+        f"`vcpo train --resume {run_dir}` (the count starts again; max_skipped_steps sets the limit)")
+
+
+def _stop_producer(producer: RolloutProducer, engine, log: Callable[[str], None]) -> None:
+    """Stop the rollout threads: generation in flight is aborted (an engine's requests; a server pool's
+    connections closed, which ends the requests on the servers), then up to STOP_WAIT_S for the threads to end.
+    Its batch is not lost: no checkpoint holds a batch in flight, so a resume generates it again."""
+    if producer.in_flight:
+        log(f"stopping the rollouts: {producer.in_flight} batch(es) in flight abandoned (generated again on resume)")
+    left = producer.stop(timeout=STOP_WAIT_S, abort=getattr(engine, "abort", engine.close))
+    if left:
+        log(f"the rollout threads {', '.join(left)} did not end within {STOP_WAIT_S:.0f} s of the abort: left behind")
+
+
 def _train_step(policy: Policy, ranks: TrainerRanks, pad_id: int, producer: RolloutProducer, engine,
-                batch: GeneratedBatch, state: LoopState, clock: _Clock, waited: float, cfg: TrainConfig) -> dict:
+                batch: GeneratedBatch, state: LoopState, clock: _Clock, waited: float, cfg: TrainConfig,
+                interrupt: "_Interrupt") -> dict:
     """vcpo.step on `batch` (after `waited` seconds for it; every rank on its share), the new weights published
-    to the engine; the metrics.jsonl line of the step."""
+    to the engine; the metrics.jsonl line of the step. A skipped step (non-finite) consumes its batch too: its
+    version has the weights of the one before."""
     t_train = time.perf_counter()
     rb = policy.rollout_batch(batch.rollouts, pad_id)
     m = policy.step(ranks.scatter(rb))
     state.step += 1
-    paced = producer.publish(state.step, policy.weights())  # > 0 only with exact staleness
+    paced = producer.publish(state.step, policy.weights(), should_stop=lambda: interrupt.requested)
     now = time.perf_counter() - paced
     lag = state.step - 1 - batch.version
     state.lag_hist[lag] += 1
@@ -421,7 +511,7 @@ def _train_step(policy: Policy, ranks: TrainerRanks, pad_id: int, producer: Roll
         "accuracy": sum(r.correct for r in batch.rollouts) / len(batch.rollouts),
         "response_length": float(rb.loss_mask.sum(1).float().mean()),
         **{k: m[k] for k in STEP_METRICS}, **reward_metrics(batch.rollouts),
-        "lr": cfg.resolved_lr() * m["lr_scale"],
+        "lr": 0.0 if m["skipped"] else cfg.resolved_lr() * m["lr_scale"],
         "wait_seconds": waited + paced, "train_seconds": now - t_train,
         "generate_seconds_total": stats.generate_seconds, "sync_seconds_total": stats.sync_seconds,
         "syncs": stats.syncs, **_pool_metrics(engine, batch),
@@ -509,7 +599,8 @@ class _progress_bar:
 
 class _Interrupt:
     """Ctrl-C (SIGINT) and SIGTERM (a scheduler's stop, `kill`): during the steps, the first one lets the current
-    step finish, then the run checkpoints and exits; before them (loading, engine start-up) or the second time,
+    step finish (its batch is consumed and its weights are the checkpoint's), then the run checkpoints, aborts the
+    generation in flight and exits; before them (loading, engine start-up) or the second time,
     KeyboardInterrupt at once, which still stops the servers and engine this run started. A signal within
     REPEAT_S of the first is the same stop (the terminal and a launcher such as torchrun both deliver it)."""
 

@@ -2,46 +2,136 @@
 step), rollouts.jsonl (every consumed sample, once), checkpoints/step-NNNNNN (model, tokenizer, optimizer,
 trainer_state.pt), curves.png and summary.json.
 
-A checkpoint is written to a .tmp folder and renamed into place, so a run stopped at any moment leaves the
-previous checkpoint whole; a resume drops the metrics and rollouts lines of the steps after it."""
+A checkpoint is written to a .tmp folder, synced to disk and renamed into place, so a run stopped at any moment
+(SIGKILL, a dead machine) leaves the previous checkpoint whole. A resume removes the stale .tmp folders, drops the
+metrics and rollouts lines of the steps after its checkpoint (and a partial last line: a kill while writing it), and
+falls back to the previous checkpoint when the newest does not read back (docs/trainer.md, "Interrupt and resume")."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from .plot import plot_run
 from .report import Reporters, parse_report_to
 
 
-def _truncate_jsonl(path: str, max_step: int) -> None:
-    """Drop the lines of steps after `max_step`: they will be done again."""
+def _truncate_jsonl(path: str, max_step: int, log: Callable[[str], None]) -> None:
+    """Drop the lines of steps after `max_step` (they will be done again) and a partial last line (the process was
+    killed while writing it: its step is after the checkpoint, whose lines were on disk before it was); any other
+    line that is not a JSON row with a step is an error naming the file and line."""
     if not os.path.isfile(path):
         return
-    with open(path) as f:
-        keep = [line for line in f if line.strip() and json.loads(line)["step"] <= max_step]
-    with open(path + ".tmp", "w") as f:
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    keep = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            step = row["step"]
+            if not isinstance(step, int):
+                raise TypeError(f"step {step!r} is not an integer")
+        except (ValueError, KeyError, TypeError) as e:
+            if i == last:
+                log(f"warning: {path}: dropped its partial last line (line {i + 1}, {len(line)} bytes: the run was "
+                    "stopped while writing it)")
+                continue
+            raise ValueError(f"{path}, line {i + 1}: not a JSON row with a step ({type(e).__name__}: {e}); the "
+                             "lines after a checkpoint are dropped on resume, but this one is not the last") from None
+        if step <= max_step:
+            keep.append(line + b"\n")
+    with open(path + ".tmp", "wb") as f:
         f.writelines(keep)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+def _fsync_dir(path: str) -> None:
+    """A folder's entries (a rename, a new file) on disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: str) -> None:
+    """Every file under `root`, then every folder, on disk."""
+    for folder, _, files in os.walk(root, topdown=False):
+        for name in files:
+            with open(os.path.join(folder, name), "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(folder)
+
+
+_CHECKPOINT = re.compile(r"step-(\d+)")
 
 
 def _checkpoints(path: str) -> list[str]:
+    """The committed checkpoints of the run in `path`, oldest first (not the .tmp ones being written, nor those
+    set aside as .corrupt)."""
     root = os.path.join(path, "checkpoints")
     if not os.path.isdir(root):
         return []
-    return sorted(os.path.join(root, d) for d in os.listdir(root) if d.startswith("step-") and not d.endswith(".tmp"))
+    steps = sorted((int(m.group(1)), d) for d in os.listdir(root) if (m := _CHECKPOINT.fullmatch(d)))
+    return [os.path.join(root, d) for _, d in steps]
+
+
+def unreadable(folder: str) -> Optional[str]:
+    """Why a checkpoint does not read back (its file named), or None. trainer_state.pt is loaded whole (it is small);
+    optimizer.pt only as far as its archive's index (at the end of the file: a truncated file has none), the
+    safetensors files as far as their header, which must cover the file's length; the JSON files parse."""
+    import torch
+    from safetensors import safe_open
+
+    names = sorted(os.listdir(folder))
+    missing = [n for n in ("trainer_state.pt", "optimizer.pt") if n not in names]
+    if missing or not any(n.endswith(".safetensors") for n in names):
+        return f"no {', '.join(missing) or 'safetensors weights'}"
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            if name == "trainer_state.pt":
+                torch.load(path, weights_only=True)
+            elif name.endswith(".pt"):
+                torch.load(path, weights_only=True, mmap=True)
+            elif name.endswith(".safetensors"):
+                with safe_open(path, "pt"):
+                    pass
+            elif name.endswith(".json"):
+                with open(path) as f:
+                    json.load(f)
+        except Exception as e:  # noqa: BLE001 - any failure to read is the answer
+            return f"{name}: {type(e).__name__}: {e}"
+    return None
 
 
 class RunFolder:
-    def __init__(self, path: Optional[str], *, resume: bool, report_to: str = "none") -> None:
+    def __init__(self, path: Optional[str], *, resume: bool, report_to: str = "none",
+                 log: Callable[[str], None] = print) -> None:
         """The folder of a new run (`path` absent or empty; default runs/vcpo-<date>-<time>) or, with resume, of
-        a run that has a checkpoint. `report_to`: where else log_step sends the metrics (vcpo/trainer/report.py)."""
+        a run that has a checkpoint (its stale .tmp folders removed). `report_to`: where else log_step sends the
+        metrics (vcpo/trainer/report.py); `log`: the warnings of a resume."""
         self.path = path or os.path.join("runs", time.strftime("vcpo-%Y%m%d-%H%M%S"))
+        self.log = log
         if resume and not self.checkpoints():
             raise ValueError(f"resume: {self.path!r} has no checkpoint")
+        if resume:  # checkpoints a killed run was writing
+            root = self.file("checkpoints")
+            for name in os.listdir(root):
+                if name.endswith(".tmp"):
+                    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+                    log(f"removed {os.path.join(root, name)}: a checkpoint that was being written when the run "
+                        "stopped")
         if not resume and os.path.isdir(self.path) and os.listdir(self.path):
             raise ValueError(f"output_dir {self.path!r} exists and is not empty: resume it with --resume or pick "
                              "another")
@@ -57,14 +147,36 @@ class RunFolder:
 
     @staticmethod
     def latest_checkpoint(path: str) -> str:
-        """The newest checkpoint of the run in `path` (read-only: what a trainer rank > 0 resumes from)."""
+        """The newest checkpoint of the run in `path` (read-only: what a trainer rank > 0 resumes from, once rank 0's
+        resume_checkpoint has set aside any that does not read back)."""
         return _checkpoints(path)[-1]
+
+    def resume_checkpoint(self) -> str:
+        """The newest checkpoint that reads back (`unreadable`). Newer ones that do not (a file cut short: a full
+        disk, a machine that died before the data reached the disk) are renamed <name>.corrupt, so that every rank,
+        `vcpo eval` and the rotation see the one the run resumes from; the warning names both."""
+        bad = []
+        for folder in reversed(self.checkpoints()):
+            problem = unreadable(folder)
+            if problem is None:
+                break
+            bad.append((folder, problem))
+        else:
+            raise ValueError(f"resume: no checkpoint of {self.path!r} reads back: "
+                             + "; ".join(f"{f}: {p}" for f, p in bad))
+        for corrupt, problem in bad:
+            aside = corrupt + ".corrupt"
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(corrupt, aside)
+            self.log(f"warning: checkpoint {corrupt} does not read back ({problem}); resuming from {folder} "
+                     f"instead (the unreadable one is kept as {aside})")
+        return folder
 
     def rewind(self, step: int) -> None:
         """Resuming at `step`: the logged steps after it are forgotten."""
         self.first_step = step + 1
         for name in ("metrics.jsonl", "rollouts.jsonl"):
-            _truncate_jsonl(self.file(name), step)
+            _truncate_jsonl(self.file(name), step, self.log)
 
     def write_json(self, name: str, value: dict) -> None:
         with open(self.file(name), "w") as f:
@@ -123,15 +235,18 @@ class RunFolder:
         return tmp
 
     def commit_checkpoint(self, tmp: str, keep: int) -> None:
-        """The logs flushed first (a checkpoint in place never lacks the log lines of its steps), then the
-        written checkpoint in place of any older one of its step, the oldest beyond `keep` removed and the
-        curves redrawn."""
+        """The logs on disk first (a checkpoint in place never lacks the log lines of its steps), then the written
+        checkpoint, on disk, in place of any older one of its step; once the rename is on disk, the oldest beyond
+        `keep` are removed (never the new one) and the curves redrawn."""
         for f in (self._metrics, self._rollouts):
             if f is not None:
                 f.flush()
+                os.fsync(f.fileno())
+        _fsync_tree(tmp)
         folder = tmp[:-len(".tmp")]
         shutil.rmtree(folder, ignore_errors=True)
         os.replace(tmp, folder)
+        _fsync_dir(os.path.dirname(folder))
         for old in self.checkpoints()[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
         plot_run(self.path)
