@@ -143,6 +143,7 @@ def _train(args: argparse.Namespace, argv: list) -> int:
     from .trainer.ranks import launch_ranks, launched_ranks
     from .trainer.ray_launch import TrainerRankDied, train_on_ray
     from .trainer.rewards import RewardError
+    from .trainer.run_folder import CheckpointError
     from .trainer.servers import ServerStartError
 
     if cfg.validate().ray is None and cfg.trainer_ranks > 1 and launched_ranks() == 1:
@@ -151,7 +152,8 @@ def _train(args: argparse.Namespace, argv: list) -> int:
     try:
         summary = train_on_ray(cfg, resume is not None) if cfg.ray is not None else \
             train(cfg, resume=resume is not None, progress=progress)
-    except (EngineUnavailable, WeightSyncError, ServerStartError, RewardError, TrainerRankDied, NonFiniteError) as e:
+    except (EngineUnavailable, WeightSyncError, ServerStartError, RewardError, TrainerRankDied, NonFiniteError,
+            CheckpointError) as e:
         print(f"vcpo train: error: {e}", file=sys.stderr)
         return 1
     if summary is None:  # a trainer rank > 0: rank 0 reports the run

@@ -130,3 +130,18 @@ class Judge:  # an object whose __call__ is async
 
 
 judge = Judge()
+
+
+def faulty(response, answer):
+    """A graded reward that, on about 2% of responses each (by the response's CRC, so the same after a resume),
+    hangs, computes 9^(9^9) holding the interpreter lock, or raises; else (CRC mod 7) / 6."""
+    import zlib
+
+    crc = zlib.crc32(response.encode())
+    if crc % 50 == 0:
+        time.sleep(3600)
+    if crc % 50 == 1:
+        return float(9 ** (9 ** 9) > 0)
+    if crc % 50 == 2:
+        raise ValueError(f"cannot grade {response!r}")
+    return crc % 7 / 6

@@ -185,3 +185,35 @@ def test_stop_aborts_the_generation_in_flight_and_waits_a_bounded_time(concurren
     assert prod.stop(timeout=0.5, abort=lambda: None) == ["vcpo-rollouts"]
     assert time.perf_counter() - t0 < 1.5
     stuck.set()
+
+
+def test_generation_seconds_count_the_batch_in_flight_and_give_the_engines_rate():
+    """The throughput metric's parts: the seconds grow while a batch is being generated (an engine that is never idle
+    between steps still reports time, and a rate that is not 0), and tokens / seconds is the rate while busy."""
+    release = threading.Event()
+
+    def make_batch(index, v):
+        if index < 3:
+            time.sleep(0.05)
+        else:
+            release.wait(10)
+        return GeneratedBatch(index, v, [Rollout(index, index, 0, [1], [2] * 10, [0.0] * 10, None, 0.0, v)])
+
+    prod = RolloutProducer(make_batch=make_batch, load_weights=lambda weights, v: None, max_staleness=8, version=0,
+                           next_batch=0, end_batch=4).start()
+    try:
+        for step in range(3):
+            prod.take(step)
+        time.sleep(0.1)  # batch 3 in flight
+        seconds, tokens = prod.generation()
+        time.sleep(0.2)
+        later, same = prod.generation()
+        assert tokens == same == 30 and 0.15 <= seconds and later - seconds >= 0.2
+        release.set()
+        prod.take(3)
+        final, tokens = prod.generation()
+        assert tokens == 40 and final >= later and prod.in_flight == 0
+        assert final == pytest.approx(prod.stats.generate_seconds)
+    finally:
+        release.set()
+        prod.stop()

@@ -161,6 +161,33 @@ def test_commit_syncs_logs_and_checkpoint_before_the_rename_and_the_rename_befor
     assert run.checkpoints() == [tmp[:-len(".tmp")]]  # keep=1: the new one stays, the older one went
 
 
+@pytest.mark.parametrize("fails", ["writing", "committing"])
+def test_a_failed_checkpoint_write_keeps_the_previous_one_and_names_it(tmp_path, monkeypatch, fails):
+    """OSError (ENOSPC) while the files are written, or while they are synced: CheckpointError naming the cause and
+    the newest whole checkpoint, which is untouched; the partial one is gone."""
+    import errno
+
+    from vcpo.trainer import run_folder
+    from vcpo.trainer.run_folder import CheckpointError
+
+    monkeypatch.setattr(run_folder, "plot_run", lambda path: None)
+    run = RunFolder(str(tmp_path / "run"), resume=False)
+    with run.checkpoint(3, keep=1) as folder:
+        open(os.path.join(folder, "optimizer.pt"), "w").write("whole")
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    if fails == "committing":
+        monkeypatch.setattr(run_folder, "_fsync_tree", lambda root: (_ for _ in ()).throw(full))
+    with pytest.raises(CheckpointError, match=re.escape(f"checkpoint of step 6 failed (OSError: [Errno 28] No space "
+                                                        f"left on device); the newest whole checkpoint is "
+                                                        f"{run.checkpoints()[0]}, untouched")):
+        with run.checkpoint(6, keep=1) as folder:
+            open(os.path.join(folder, "model.safetensors"), "w").write("half")
+            if fails == "writing":
+                raise full
+    assert os.listdir(run.file("checkpoints")) == ["step-000003"]
+    assert open(os.path.join(run.checkpoints()[0], "optimizer.pt")).read() == "whole"
+
+
 def test_checkpoints_sort_by_step_and_ignore_other_names(tmp_path):
     root = tmp_path / "checkpoints"
     for name in ("step-999999", "step-1000000", "step-000010.tmp", "step-000005.corrupt", "step-x", "notes"):

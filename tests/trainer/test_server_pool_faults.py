@@ -1,5 +1,6 @@
 """Faults of `engine: server` on real vLLM servers started by `vcpo train --engine-servers`: one server killed
-mid-run (the run goes on with the other), then the last one (checkpoint and a clear error naming both URLs),
+during a weight sync (the run goes on with the other), then the last one mid-run (checkpoint and a clear error
+naming both URLs),
 then `--resume` with a different number of servers: every sample is consumed exactly once. The trainer killed
 (its servers go too) and resumed, then stopped by SIGTERM with a batch in flight (out within 10 s)."""
 
@@ -15,7 +16,8 @@ import torch
 
 pytest.importorskip("vllm")
 
-STEPS, K = 40, 2
+STEPS, K = 24, 2
+DRIVER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support", "faulty_train.py")
 
 pytestmark = pytest.mark.slow  # vLLM servers started and killed
 
@@ -35,13 +37,17 @@ def gone(pid):
         return True
 
 
-def test_servers_killed_mid_run_then_resume_with_another_pool(tmp_path):
+def test_servers_killed_mid_sync_and_mid_run_then_resume_with_another_pool(tmp_path):
+    """Server 0 SIGKILLed at the sync of version 3, paused and about to reload (tests/support/faulty_train.py): the
+    sync goes on with server 1 and so does the run; server 1 SIGKILLed mid-run: a checkpoint and an error; a resume
+    with one new server consumes every sample exactly once."""
     env = {**os.environ, "VCPO_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
     folder = tmp_path / "run"
     args = ["--engine", "server", "--prompts-per-step", "4", "--responses-per-prompt", "4", "--eval-size", "16",
             "--eval-every", "10", "--checkpoint-every", "5", "--warm-start-steps", "30", "--no-progress",
             "--steps", str(STEPS), "--max-staleness", str(K)]
-    proc = subprocess.Popen([sys.executable, "-m", "vcpo.cli", "train", *args, "--engine-servers", "2",
+    faults = {"kill_server_mid_sync": {"version": 3, "run_dir": str(folder)}}
+    proc = subprocess.Popen([sys.executable, DRIVER, json.dumps(faults), *args, "--engine-servers", "2",
                              "--output-dir", str(folder)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     metrics = folder / "metrics.jsonl"
@@ -55,15 +61,16 @@ def test_servers_killed_mid_run_then_resume_with_another_pool(tmp_path):
     wait_for_step(4)
     servers = json.load(open(folder / "servers" / "servers.json"))
     assert len(servers) == 2 and all(s["url"].startswith("unix:") for s in servers)  # no port another user can reach
-    os.killpg(servers[0]["pid"], signal.SIGKILL)  # the server and its engine processes
     killed_at = len(read_jsonl(metrics))
     wait_for_step(killed_at + 8)  # the run goes on with one server
+    assert gone(servers[0]["pid"])
     os.killpg(servers[1]["pid"], signal.SIGKILL)
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 1, err[-5000:]
     assert "every rollout server is down" in err and all(s["url"] in err for s in servers)
     assert "Checkpoint written at step" in err and f"--resume {folder}" in err
-    assert f"rollout server {servers[0]['url']} is down" in out + err
+    assert f"SIGKILL to server {servers[0]['url']} (pid {servers[0]['pid']}) during the sync of version 3" in out
+    assert f"rollout server {servers[0]['url']} is down (weight sync failed" in out + err
     rows = read_jsonl(metrics)
     assert any(r["servers_up"] == 1 for r in rows) and len(rows) < STEPS
     for s in servers:  # nothing left running, nothing left in the temporary directory

@@ -4,7 +4,6 @@ Each run is a `vcpo` subprocess: vLLM's engine changes process-wide settings (th
 fake engine in this process: steps skipped in a row stop the run, SIGTERM with a batch in flight."""
 
 import json
-import math
 import os
 import signal
 import struct
@@ -15,6 +14,7 @@ import time
 
 import pytest
 import torch
+from support.fake_engine import FakeEngine
 
 pytest.importorskip("vllm")
 
@@ -78,7 +78,13 @@ def test_run_writes_metrics_checkpoints_and_plot(runs):
             assert key in r and r[key] == r[key], key  # present and not NaN
         assert 0 < r["ess_ratio"] <= 1 and 0 <= r["lr_scale"] <= 1 and 0 <= r["reward"] <= 1
     assert rows[0]["ess_ratio"] == pytest.approx(1.0, abs=1e-5)  # version 0 samples, version 0 policy
+    assert all(r["generated_tokens_per_second"] > 0 for r in rows)  # the engine's rate, never 0 between batches
     assert any("eval_accuracy" in r for r in rows)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(os.path.join(folder, "checkpoints", "step-000010"))
+    for r in read_jsonl(os.path.join(folder, "rollouts.jsonl")):  # the text as the reward saw it
+        assert r["response"] == tok.decode(r["response_ids"], skip_special_tokens=True)
     ckpts = sorted(os.listdir(os.path.join(folder, "checkpoints")))
     assert ckpts == ["step-000008", "step-000010"]  # every 4 steps and at the end, the last two kept
     for name in ("model.safetensors", "config.json", "tokenizer.json", "optimizer.pt", "trainer_state.pt"):
@@ -260,48 +266,6 @@ def test_default_engine_runs_in_its_own_processes_on_its_own_cores(env, tmp_path
 
 
 # -- faults with a fake engine (in this process; no vLLM engine is started) -----------------------------------------------
-class FakeEngine:
-    """Stands in for the rollout engine: response tokens drawn from the prompt's seed, each with log-prob -1.
-    `poison`: every response's first token gets a behaviour log-prob of -inf (every step is then non-finite);
-    `block_from`: the generate call with that index (= the batch, one batch at a time) and the later ones block until
-    abort(), after sending this process SIGTERM (a scheduler's stop while a batch is in flight)."""
-
-    def __init__(self, poison=False, block_from=None, on_abort=lambda: None):
-        import threading
-
-        self.poison, self.block_from, self.on_abort = poison, block_from, on_abort
-        self.calls, self.aborted, self.signalled = 0, threading.Event(), None
-
-    def generate(self, prompts, *, n, max_tokens, temperature, seeds=None, stop_token_ids=()):
-        import random
-
-        from vcpo.trainer.engine import Completion, GenerationAborted
-
-        call, self.calls = self.calls, self.calls + 1
-        if self.block_from is not None and call >= self.block_from:
-            self.signalled = time.perf_counter()
-            os.kill(os.getpid(), signal.SIGTERM)
-            self.aborted.wait(60)
-            raise GenerationAborted("aborted")
-        out = []
-        for seed in seeds:
-            rng = random.Random(seed)
-            out.append([Completion(ids := [rng.randrange(4, 20) for _ in range(max_tokens)],
-                                   [-math.inf if self.poison and t == 0 else -1.0 for t in range(len(ids))],
-                                   "length") for _ in range(n)])
-        return out
-
-    def load_weights(self, state, version):
-        pass
-
-    def abort(self):
-        self.on_abort()
-        self.aborted.set()
-
-    def close(self):
-        pass
-
-
 def train_with(engine, monkeypatch, tmp_path, resume=False, **settings):
     """vcpo.trainer.train in this process with `engine` for the rollouts: the built-in task, no held-out split."""
     from contextlib import contextmanager

@@ -40,6 +40,7 @@ class Rollout:
     server: Optional[str] = None  # engine: server: the URL that generated it
     reward_extras: dict = field(default_factory=dict)  # the extra fields of a dict-valued reward
     reward_error: Optional[str] = None  # the failure of its reward call (reward_errors: zero scored it 0)
+    response: str = ""  # the response's text, special tokens skipped, as the reward scored it
 
     @property
     def uid(self) -> tuple[int, int, int]:
@@ -158,6 +159,13 @@ class RolloutProducer:
         being generated now is not in it; it is generated again after a resume."""
         with self._cond:
             return self._generated, list(self.pending)
+
+    def generation(self) -> tuple[float, int]:
+        """(wall seconds with at least one batch in flight so far, the present stretch included; the response tokens
+        of the batches generated): their ratio is the engine's throughput while it works, whatever the trainer did."""
+        with self._cond:
+            busy = time.perf_counter() - self._busy_since if self._in_flight else 0.0
+            return self.stats.generate_seconds + busy, self.stats.generated_tokens
 
     @property
     def in_flight(self) -> int:

@@ -146,10 +146,9 @@ def _train(cfg: TrainConfig, ranks: TrainerRanks, resume: bool, log: Callable[[s
                     return
                 state.next_batch, state.pending = producer.snapshot()
                 state.elapsed = clock.elapsed()
-                folder = run.new_checkpoint(state.step)
-                policy.save(folder, problems.model_dir)
-                state.save(folder)
-                run.commit_checkpoint(folder, cfg.keep_checkpoints)
+                with run.checkpoint(state.step, cfg.keep_checkpoints) as folder:
+                    policy.save(folder, problems.model_dir)
+                    state.save(folder)
                 saved[0] = state.step
 
             skipped = []  # the steps skipped in a row, up to the last one
@@ -384,7 +383,7 @@ class Task:
             first, last = (c.versions[0][0], c.versions[-1][0]) if c.versions else (version, None)
             rollouts.append(Rollout(index, i, r, self.train_prompts[i], c.token_ids, c.logprobs, c.finish_reason,
                                     score.reward, first, score.reward >= CORRECT_REWARD,
-                                    last if last != first else None, c.server, score.extras, score.error))
+                                    last if last != first else None, c.server, score.extras, score.error, text))
         return GeneratedBatch(index, min(r.version for r in rollouts), rollouts)
 
 
@@ -423,20 +422,13 @@ class LoopState:
 
 
 class _Clock:
-    """Training wall time across resumes (engine start excluded), and the generated-token rate between steps."""
+    """Training wall time across resumes (engine start excluded)."""
 
     def __init__(self, elapsed: float) -> None:
         self.start = time.perf_counter() - elapsed
-        self.last_time, self.last_tokens = time.perf_counter(), 0
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
-
-    def token_rate(self, tokens: int) -> float:
-        now = time.perf_counter()
-        rate = (tokens - self.last_tokens) / max(now - self.last_time, 1e-9)
-        self.last_time, self.last_tokens = now, tokens
-        return rate
 
 
 # -- one step -----------------------------------------------------------------------------------------------------
@@ -504,6 +496,7 @@ def _train_step(policy: Policy, ranks: TrainerRanks, pad_id: int, producer: Roll
     lag = state.step - 1 - batch.version
     state.lag_hist[lag] += 1
     stats = producer.stats
+    generate_seconds, generated_tokens = producer.generation()
     row = {
         "step": state.step, "batch": batch.index, "version": batch.version, "lag": lag,
         "wall_seconds": clock.elapsed(),
@@ -513,9 +506,9 @@ def _train_step(policy: Policy, ranks: TrainerRanks, pad_id: int, producer: Roll
         **{k: m[k] for k in STEP_METRICS}, **reward_metrics(batch.rollouts),
         "lr": 0.0 if m["skipped"] else cfg.resolved_lr() * m["lr_scale"],
         "wait_seconds": waited + paced, "train_seconds": now - t_train,
-        "generate_seconds_total": stats.generate_seconds, "sync_seconds_total": stats.sync_seconds,
+        "generate_seconds_total": generate_seconds, "sync_seconds_total": stats.sync_seconds,
         "syncs": stats.syncs, **_pool_metrics(engine, batch),
-        "generated_tokens_per_second": clock.token_rate(stats.generated_tokens),
+        "generated_tokens_per_second": generated_tokens / generate_seconds if generate_seconds > 0 else 0.0,
         "trained_tokens_per_second": float(rb.attention_mask.sum()) / max(now - t_train, 1e-9),
     }
     if len(stats.eval_results) > state.evals_seen:

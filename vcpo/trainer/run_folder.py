@@ -14,7 +14,8 @@ import os
 import re
 import shutil
 import time
-from typing import Callable, Optional
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional
 
 from .plot import plot_run
 from .report import Reporters, parse_report_to
@@ -113,6 +114,10 @@ def unreadable(folder: str) -> Optional[str]:
         except Exception as e:  # noqa: BLE001 - any failure to read is the answer
             return f"{name}: {type(e).__name__}: {e}"
     return None
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (a full disk, a quota, a file system gone read-only)."""
 
 
 class RunFolder:
@@ -223,10 +228,28 @@ class RunFolder:
             if r.reward_error is not None:
                 extra["reward_error"] = r.reward_error
             self._rollouts.write(json.dumps({"step": row["step"], "uid": list(r.uid), "version": r.version,
-                                             "response_ids": r.response_ids, "reward": r.reward,
+                                             "response": r.response, "response_ids": r.response_ids,
+                                             "reward": r.reward,
                                              "finish_reason": r.finish_reason, **extra}) + "\n")
 
     # -- checkpoints --------------------------------------------------------------------------------------------
+    @contextmanager
+    def checkpoint(self, step: int, keep: int) -> Iterator[str]:
+        """An empty folder to write step `step`'s checkpoint into, committed (commit_checkpoint) when the block ends.
+        A write that fails with OSError (ENOSPC: a full disk; a quota; a read-only file system) removes what was
+        written and raises CheckpointError naming the newest whole checkpoint, which stays as it was."""
+        tmp = self.new_checkpoint(step)
+        try:
+            yield tmp
+            self.commit_checkpoint(tmp, keep)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            whole = self.checkpoints()
+            raise CheckpointError(
+                f"writing the checkpoint of step {step} failed ({type(e).__name__}: {e}); "
+                + (f"the newest whole checkpoint is {whole[-1]}, untouched; make room, then continue with "
+                   f"`vcpo train --resume {self.path}`" if whole else "the run has no checkpoint yet")) from e
+
     def new_checkpoint(self, step: int) -> str:
         """An empty folder to write step `step`'s checkpoint into; commit_checkpoint puts it in place."""
         tmp = self.file(os.path.join("checkpoints", f"step-{step:06d}.tmp"))

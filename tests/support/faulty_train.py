@@ -1,0 +1,93 @@
+"""`vcpo train` with faults injected, for the tests that kill, starve and poison a run:
+`python tests/support/faulty_train.py FAULTS_JSON ARGS...` runs `vcpo train ARGS...` in this process after patching
+in the faults FAULTS_JSON names (its keys, each optional):
+
+- "fake_engine": {"poison": P, "seconds": S}: tests/support/fake_engine.FakeEngine generates the rollouts (no vLLM),
+  each batch taking S seconds, the responses of prompts whose sampling seed is a multiple of P (0: none) with a
+  behaviour log-prob of -inf;
+- "slow_commit": PATH: each checkpoint, once written and before it is synced and renamed into place, creates PATH
+  and waits 1 s (a SIGKILL sent when PATH appears lands in the middle of the checkpoint);
+- "enospc_at_step": N: writing a file of the checkpoint of step N fails with ENOSPC, as on a full disk;
+- "kill_server_mid_sync": {"version": V, "run_dir": RUN}: the sync of version V SIGKILLs the pool's first server
+  (its process group, from RUN/servers/servers.json) after pausing it and before it reloads the weights."""
+
+import errno
+import json
+import os
+import signal
+import sys
+import time
+from contextlib import contextmanager
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # `support` from tests/
+
+
+def fake_engine(poison: int = 0, seconds: float = 0.0) -> None:
+    from support.fake_engine import FakeEngine
+    from vcpo.trainer import run
+
+    @contextmanager
+    def start_engine(cfg, **kwargs):
+        yield FakeEngine(poison=poison or False, seconds=seconds), 0.0
+
+    run.start_engine = start_engine
+
+
+def slow_commit(marker: str) -> None:
+    from vcpo.trainer import run_folder
+
+    fsync_tree = run_folder._fsync_tree
+
+    def announced(root):
+        open(marker, "w").close()
+        time.sleep(1.0)
+        fsync_tree(root)
+
+    run_folder._fsync_tree = announced
+
+
+def enospc_at_step(step: int) -> None:
+    import torch
+
+    save = torch.save
+
+    def full_disk(obj, f, *args, **kwargs):
+        if isinstance(f, (str, os.PathLike)) and f"step-{step:06d}" in str(f):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
+        return save(obj, f, *args, **kwargs)
+
+    torch.save = full_disk
+
+
+def kill_server_mid_sync(version: int, run_dir: str) -> None:
+    from vcpo.trainer.pool import ServerPool
+
+    reload, take_weights = ServerPool._reload, ServerPool._take_weights
+    syncing = {}
+
+    async def _reload(self, s, v):
+        syncing[s.url] = v
+        return await reload(self, s, v)
+
+    async def _take_weights(self, s):
+        if syncing.get(s.url) == version and s is self.servers[0]:
+            servers = json.load(open(os.path.join(run_dir, "servers", "servers.json")))
+            pid = next(x["pid"] for x in servers if x["url"] == s.url)
+            print(f"faulty_train: SIGKILL to server {s.url} (pid {pid}) during the sync of version {version}",
+                  flush=True)
+            os.killpg(pid, signal.SIGKILL)
+        return await take_weights(self, s)
+
+    ServerPool._reload, ServerPool._take_weights = _reload, _take_weights
+
+
+if __name__ == "__main__":
+    faults = json.loads(sys.argv[1])
+    for name, value in faults.items():
+        if isinstance(value, dict):
+            {"fake_engine": fake_engine, "kill_server_mid_sync": kill_server_mid_sync}[name](**value)
+        else:
+            {"slow_commit": slow_commit, "enospc_at_step": enospc_at_step}[name](value)
+    from vcpo.cli import main
+
+    sys.exit(main(["train", *sys.argv[2:]]))
