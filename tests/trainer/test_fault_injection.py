@@ -143,6 +143,11 @@ def test_sigkill_at_five_random_moments_then_resume_loses_no_sample(tmp_path, re
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
     rows = read_jsonl(folder / "metrics.jsonl")
     assert any(r["skipped"] for r in rows) and any(r.get("reward_errors", 0) for r in rows)  # the faults happened
+    for r in rollouts:  # the prompt text once per group, the answer on every sample
+        assert ("prompt" in r) == (r["uid"][2] == 0)
+        if "prompt" in r:
+            a, b = r["prompt"].removesuffix("=").split("+")
+            assert int(a) + int(b) == int(r["answer"])
     scored = [r for r in rollouts if r.get("reward_error") is None]  # each with the text its reward saw
     assert all(r["reward"] == zlib.crc32(r["response"].encode()) % 7 / 6 for r in scored) and len(scored) > 100
 

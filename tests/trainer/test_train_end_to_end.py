@@ -83,8 +83,13 @@ def test_run_writes_metrics_checkpoints_and_plot(runs):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(os.path.join(folder, "checkpoints", "step-000010"))
-    for r in read_jsonl(os.path.join(folder, "rollouts.jsonl")):  # the text as the reward saw it
+    rollouts = read_jsonl(os.path.join(folder, "rollouts.jsonl"))
+    for r in rollouts:  # the text as the reward saw it; the prompt once per group, as the engine got it
         assert r["response"] == tok.decode(r["response_ids"], skip_special_tokens=True)
+        assert ("prompt" in r) == (r["uid"][2] == 0) and isinstance(r["answer"], str)
+    for r in rollouts[::4]:  # the built-in task: "a+b=" with answer a + b
+        a, b = r["prompt"].removesuffix("=").split("+")
+        assert r["prompt"].endswith("=") and int(a) + int(b) == int(r["answer"])
     ckpts = sorted(os.listdir(os.path.join(folder, "checkpoints")))
     assert ckpts == ["step-000008", "step-000010"]  # every 4 steps and at the end, the last two kept
     for name in ("model.safetensors", "config.json", "tokenizer.json", "optimizer.pt", "trainer_state.pt"):

@@ -41,6 +41,8 @@ class Rollout:
     reward_extras: dict = field(default_factory=dict)  # the extra fields of a dict-valued reward
     reward_error: Optional[str] = None  # the failure of its reward call (reward_errors: zero scored it 0)
     response: str = ""  # the response's text, special tokens skipped, as the reward scored it
+    prompt: str = ""  # the prompt's text as the engine got it (chat template applied); on response 0 of a group
+    answer: "str | int | float | None" = None  # the data's answer the reward compared against
 
     @property
     def uid(self) -> tuple[int, int, int]:

@@ -383,7 +383,8 @@ class Task:
             first, last = (c.versions[0][0], c.versions[-1][0]) if c.versions else (version, None)
             rollouts.append(Rollout(index, i, r, self.train_prompts[i], c.token_ids, c.logprobs, c.finish_reason,
                                     score.reward, first, score.reward >= CORRECT_REWARD,
-                                    last if last != first else None, c.server, score.extras, score.error, text))
+                                    last if last != first else None, c.server, score.extras, score.error, text,
+                                    self.train_texts[i] if r == 0 else "", self.problems.train[i].answer))
         return GeneratedBatch(index, min(r.version for r in rollouts), rollouts)
 
 

@@ -227,8 +227,11 @@ class RunFolder:
                 extra["reward_extras"] = r.reward_extras
             if r.reward_error is not None:
                 extra["reward_error"] = r.reward_error
+            if r.prompt:  # once per prompt group: the text is long and the same for every response
+                extra["prompt"] = r.prompt
             self._rollouts.write(json.dumps({"step": row["step"], "uid": list(r.uid), "version": r.version,
-                                             "response": r.response, "response_ids": r.response_ids,
+                                             "answer": r.answer, "response": r.response,
+                                             "response_ids": r.response_ids,
                                              "reward": r.reward,
                                              "finish_reason": r.finish_reason, **extra}) + "\n")
 
