@@ -19,6 +19,8 @@ fractions, counts) are the rank's own; vcpo.step sums them over the ranks.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -28,6 +30,15 @@ from vcpo_kernels.inputs import sequence_batch, token_batch
 from vcpo_kernels.ops import batch_normalizer
 
 __all__ = ["policy_loss", "agg_count", "global_share"]
+
+
+def largest_abs(tensors: list) -> Tensor:
+    """The largest |entry| of `tensors` (0 for none), on their device with no host read: NaN or inf when an entry is
+    not finite. DTensor shards are reduced over their mesh, so every rank gets the same value."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64)
+    largest = torch.nn.utils.get_total_norm(tensors, norm_type=math.inf)
+    return largest.full_tensor() if hasattr(largest, "full_tensor") else largest
 
 
 def agg_count(length: Tensor, loss_agg_mode: str) -> Tensor:

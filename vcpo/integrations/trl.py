@@ -25,7 +25,7 @@ from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 import vcpo_kernels
 
 from ..config import VCPOConfig
-from ..distributed import agg_count
+from ..distributed import agg_count, largest_abs
 from ..grad_norms import PerSequenceGradients, UnsupportedModuleError
 from ..loss import policy_loss
 from ..lr import scale_lr
@@ -55,13 +55,9 @@ def _loss_mask(batch) -> torch.Tensor:
 
 
 def _grad_max(model) -> torch.Tensor:
-    """The largest |entry| of the model's gradients, on the device (no host read): NaN or inf when one is not
-    finite. Under DDP the same on every process (the all-reduced gradient); FSDP2's shards: reduced over the ranks."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if not grads:
-        return torch.zeros((), dtype=torch.float64)
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=math.inf)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    """The largest |entry| of the model's gradients (vcpo.distributed.largest_abs): under DDP the same on every
+    process (the all-reduced gradient); FSDP2's shards: reduced over the ranks."""
+    return largest_abs([p.grad for p in model.parameters() if p.grad is not None])
 
 
 def _no_step(*args, **kwargs) -> None:

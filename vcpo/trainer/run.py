@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
-import math
 import operator
 import os
 import random
@@ -25,6 +24,7 @@ from typing import Callable, Optional
 import torch
 
 import vcpo
+from vcpo.distributed import largest_abs
 from vcpo.step import RolloutBatch, skip_names
 
 from . import lora, tiny
@@ -290,10 +290,7 @@ class Policy:
         looked for only when there is one."""
         from torch.distributed.tensor import DTensor
 
-        norm = torch.nn.utils.get_total_norm(list(tensors.values()), norm_type=math.inf)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        if bool(torch.isfinite(norm)):
+        if bool(torch.isfinite(largest_abs(list(tensors.values())))):
             return None
         for name, t in tensors.items():
             local = t.to_local() if isinstance(t, DTensor) else t
