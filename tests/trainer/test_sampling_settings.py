@@ -70,6 +70,22 @@ def check_gaps(results):
             assert g["untempered"] > 1e-2, (t, g)
 
 
+def long_seeded_batch(generate, tok):
+    """A seeded batch of more prompt tokens than an engine step takes (vLLM's CPU default: 4096 in-process, 2048 in
+    a server), generated twice: (its prompt tokens, the two runs' sampled tokens equal). On vLLM's CPU build a
+    prompt split over two steps crashed the engine (vcpo.trainer.engine.unsplit_prefill)."""
+    from vcpo.trainer import tiny
+
+    prompts = [[tiny.BOS] + tok.encode(f"{i}+{i}=" * 12)[:59] for i in range(100)]
+    runs = [[c[0].token_ids for c in generate(prompts, n=1, max_tokens=2, temperature=1.0, seeds=list(range(100)))]
+            for _ in range(2)]
+    return sum(map(len, prompts)), runs[0] == runs[1]
+
+
+def check_long_batch(tokens, same):
+    assert tokens > 4096 and same, (tokens, same)
+
+
 # -- vcpo.step at a temperature ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("fused", [False, True])
 def test_step_at_a_temperature_against_a_per_sequence_loop(fused):
@@ -184,7 +200,7 @@ def test_a_server_must_report_the_log_probs_after_the_temperature(answer, refuse
 INPROCESS = textwrap.dedent("""
     import json, sys
     sys.path.insert(0, sys.argv[2])
-    from test_sampling_settings import PROMPT_TEXT, TEMPERATURES, stale_and_new_model, trainer_gaps
+    from test_sampling_settings import PROMPT_TEXT, TEMPERATURES, long_seeded_batch, stale_and_new_model, trainer_gaps
     from vcpo.trainer import tiny
     from vcpo.trainer.engine import RolloutEngine
     folder = sys.argv[1]
@@ -197,7 +213,7 @@ INPROCESS = textwrap.dedent("""
     for t in TEMPERATURES:  # one engine: the temperature is a per-request setting
         completions = engine.generate([prompt], n=4, max_tokens=12, temperature=t, seeds=[7])[0]
         results[t] = trainer_gaps(new, prompt, completions, t)
-    print(json.dumps(results))
+    print(json.dumps({"gaps": results, "long_batch": long_seeded_batch(engine.generate, tok)}))
     engine.close()
 """)
 
@@ -210,13 +226,16 @@ def test_inprocess_engine_and_trainer_agree_after_a_sync(tmp_path):
     proc = subprocess.run([sys.executable, str(script), str(tmp_path / "model"), HERE], capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
-    check_gaps(json.loads(proc.stdout.strip().splitlines()[-1]))
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    check_gaps(result["gaps"])
+    check_long_batch(*result["long_batch"])
 
 
 @pytest.mark.slow
 def test_server_engine_and_trainer_agree_after_a_sync(tmp_path):
     """A server started by LocalServers passes the pool's check at a temperature other than 1 (it reports the
-    processed log-probs) and, after a sync, its log-probs are the trainer's at each temperature."""
+    processed log-probs) and, after a sync, its log-probs are the trainer's at each temperature; a seeded batch
+    longer than a step's token budget is sampled, the same twice."""
     pytest.importorskip("vllm")
     from vcpo.trainer import tiny
     from vcpo.trainer.pool import ServerPool
@@ -238,11 +257,13 @@ def test_server_engine_and_trainer_agree_after_a_sync(tmp_path):
         results = {t: trainer_gaps(new, prompt, pool.generate([prompt], n=4, max_tokens=12, temperature=t,
                                                               seeds=[7])[0], t)
                    for t in TEMPERATURES}
+        long_batch = long_seeded_batch(pool.generate, tok)
     finally:
         if pool is not None:
             pool.close()
         servers.stop()
     check_gaps(results)
+    check_long_batch(*long_batch)
 
 
 @pytest.mark.slow

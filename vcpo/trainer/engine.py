@@ -47,6 +47,19 @@ def _set_engine_env(mode: str, kv_cache_gib: float, engine_cores: Optional[str])
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
+def unsplit_prefill(max_model_len: int) -> dict:
+    """vLLM settings that keep each prompt's prefill in one engine step, on vLLM's CPU build only: there a seeded
+    request whose prompt is prefilled over two steps crashes the engine ("CPU Generator does not use offset": vLLM
+    rewinds the request's generator after the partial step, which only a CUDA generator can), and any batch of more
+    prompt tokens than a step's budget (4096 by default) is split. Chunked prefill off, a budget of a whole prompt
+    or more. Nothing on other platforms, where splitting long prompts keeps decoding smooth."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {}
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(4096, max_model_len)}
+
+
 def unique_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The state dict without the second name of a shared tensor (a tied LM head): safetensors refuses shared
     storage, and vLLM ties the head itself."""
@@ -87,7 +100,8 @@ class RolloutEngine:
         # prefix caching off: cached prompt KV computed with old weights would outlive a weight sync
         self.llm = LLM(model=model_path, dtype=dtype, enforce_eager=True, max_model_len=max_model_len, seed=seed,
                        gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=False,
-                       logprobs_mode=LOGPROBS_MODE, use_tqdm_on_load=False, **lora_options)
+                       logprobs_mode=LOGPROBS_MODE, use_tqdm_on_load=False, **unsplit_prefill(max_model_len),
+                       **lora_options)
 
     def generate(self, prompts: Sequence[Sequence[int]], *, n: int, max_tokens: int, temperature: float,
                  seeds: Optional[Sequence[int]] = None, stop_token_ids: Sequence[int] = ()) -> list[list[Completion]]:

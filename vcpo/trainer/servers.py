@@ -28,7 +28,7 @@ import time
 from typing import Callable, Optional, Sequence
 
 from .config import WEIGHT_TRANSFERS
-from .engine import LOGPROBS_MODE
+from .engine import LOGPROBS_MODE, unsplit_prefill
 from .gguf_models import is_gguf, model_folder
 
 POOL_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
@@ -194,6 +194,15 @@ def split_cores(cores: Sequence[int], count: int) -> list[list[int]]:
     return parts
 
 
+def _flags(options: dict) -> list[str]:
+    """vLLM engine options as `vllm serve` flags: enable_x=False -> --no-enable-x, name=value -> --name value."""
+    flags = []
+    for name, value in options.items():
+        flag = name.replace("_", "-")
+        flags += [f"--no-{flag}"] if value is False else [f"--{flag}", str(value)]
+    return flags
+
+
 class LocalServers:
     """N `vcpo serve` processes on `host` (an address of this machine: 127.0.0.1, or the one other machines reach),
     free ports, one session each (so a stop reaches vLLM's engine processes too), logs in `log_dir`, the temporary
@@ -214,7 +223,7 @@ class LocalServers:
         self.model, self.count, self.log_dir, self.log = model, count, log_dir, log
         self.args = ["--dtype", dtype, "--max-model-len", str(max_model_len), "--enforce-eager",
                      "--no-enable-prefix-caching", "--max-logprobs", "1", "--seed", str(seed),
-                     "--disable-uvicorn-access-log", *POOL_ARGS]
+                     "--disable-uvicorn-access-log", *POOL_ARGS, *_flags(unsplit_prefill(max_model_len))]
         if gpus is not None:
             self.args += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
         if weight_transfer == "nccl":
