@@ -79,7 +79,15 @@ def test_run_writes_metrics_checkpoints_and_plot(runs):
         assert 0 < r["ess_ratio"] <= 1 and 0 <= r["lr_scale"] <= 1 and 0 <= r["reward"] <= 1
     assert rows[0]["ess_ratio"] == pytest.approx(1.0, abs=1e-5)  # version 0 samples, version 0 policy
     assert all(r["generated_tokens_per_second"] > 0 for r in rows)  # the engine's rate, never 0 between batches
-    assert any("eval_accuracy" in r for r in rows)
+    evals = [(r["eval_version"], r["eval_accuracy"], r["eval_reward"]) for r in rows if "eval_accuracy" in r]
+    logged = read_jsonl(os.path.join(folder, "evals.jsonl"))  # each evaluation with the responses it scored
+    assert evals and set(evals) <= {(e["version"], e["accuracy"], e["reward"]) for e in logged}
+    from vcpo.trainer.rewards import exact_match
+
+    for e in logged:
+        assert len(e["samples"]) == 8 and all(x["reward"] == exact_match(x["response"], x["answer"])
+                                              for x in e["samples"])
+        assert e["accuracy"] >= sum(x["reward"] >= 1 for x in e["samples"]) / 16  # of 16 held-out prompts
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(os.path.join(folder, "checkpoints", "step-000010"))

@@ -73,9 +73,12 @@ def evaluate(engine, task, prompts: Sequence[Sequence[int]], problems: Sequence,
     return result
 
 
-def held_out(engine, task) -> tuple[float, float]:
-    """The trainer's evaluation: greedy accuracy and mean reward on the run's held-out prompts."""
+def held_out(engine, task, version: int, log_path: str) -> tuple[float, float]:
+    """The trainer's evaluation: greedy accuracy and mean reward on the run's held-out prompts, appended to
+    `log_path` (the run's evals.jsonl) with the first SAMPLES responses, so that a gamed score can be seen."""
     greedy = evaluate(engine, task, task.eval_prompts, task.problems.eval)["greedy"]
+    with open(log_path, "a") as f:
+        f.write(json.dumps({"version": version, **greedy}) + "\n")
     return greedy["accuracy"], greedy["reward"]
 
 

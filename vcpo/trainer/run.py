@@ -131,7 +131,8 @@ def _train(cfg: TrainConfig, ranks: TrainerRanks, resume: bool, log: Callable[[s
                 make_batch=lambda index, version: task.make_batch(engine, index, version),
                 load_weights=engine.load_weights, max_staleness=cfg.max_staleness, version=state.step,
                 next_batch=state.next_batch, end_batch=cfg.steps, pending=state.pending,
-                evaluate=(lambda version: held_out(engine, task)) if problems.eval else None,
+                evaluate=(lambda version: held_out(engine, task, version, os.path.join(run.path, "evals.jsonl")))
+                if problems.eval else None,
                 eval_every=cfg.eval_every, concurrent_sync=cfg.engine == "server",
                 exact_staleness=cfg.exact_staleness)
             clock = _Clock(elapsed=state.elapsed)
