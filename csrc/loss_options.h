@@ -15,13 +15,6 @@
 
 namespace vcpo {
 
-constexpr int64_t kNumRejection = 11;  // REJECTION_CRITERIA
-
-// The criteria of PolicyLossOptions.rejection, in REJECTION_CRITERIA order (vcpo_kernels/options.py).
-enum class Rejection : int64_t {
-  TokenK1, TokenK2, TokenK3, SeqSumK1, SeqSumK2, SeqSumK3, SeqMeanK1, SeqMeanK2, SeqMeanK3, SeqMaxK2, SeqMaxK3
-};
-
 struct LossOptions {
   IsLevel is_level;
   IsCorrection is_correction;
@@ -42,6 +35,8 @@ struct LossOptions {
   int64_t rejection;
   double reject_low[kNumRejection], reject_high[kNumRejection];
   bool rejects(Rejection j) const { return (rejection >> static_cast<int64_t>(j)) & 1; }
+  double low(Rejection j) const { return reject_low[static_cast<int64_t>(j)]; }
+  double high(Rejection j) const { return reject_high[static_cast<int64_t>(j)]; }
   bool rejects_sequences() const { return rejection & ~int64_t(0b111); }  // beyond the token_k* bits
 };
 
@@ -51,31 +46,30 @@ inline LossOptions unpack_loss_options(c10::ArrayRef<int64_t> codes, c10::ArrayR
               int64_t(kNumLossCodes), " option codes and ", int64_t(kNumLossValues), " option values, got ",
               codes.size(), " and ", values.size(), ": pack them with PolicyLossOptions.packed()");
   auto given = [](double x) { return std::isnan(x) ? std::nullopt : std::optional<double>(x); };
-  LossOptions o{static_cast<IsLevel>(codes[kIsLevel]),
-                     static_cast<IsCorrection>(codes[kIsCorrection]),
-                     codes[kEssOnCorrected] != 0,
-                     static_cast<LrRule>(codes[kLrRule]),
-                     advantages_given ? Advantage::Given : static_cast<Advantage>(codes[kAdvantage]),
-                     codes[kNormByStd] != 0,
-                     codes[kOpobLengthNorm] != 0,
-                     static_cast<OpobWeight>(codes[kOpobWeight]),
-                     static_cast<LossAgg>(codes[kLossAgg]),
-                     static_cast<OpobAggregation>(codes[kOpobAggregation]),
-                     values[kLogThreshold],
-                     values[kLogThresholdLow],
-                     values[kEssBaseRatio],
-                     given(values[kClipLow]),
-                     given(values[kClipHigh]),
-                     given(values[kClipC]),
-                     values[kNormLength],
-                     values[kWinsorizeLow],
-                     values[kWinsorizeHigh],
-                     codes[kRejection],
-                     {},
-                     {}};
+  LossOptions o;
+  o.is_level = static_cast<IsLevel>(codes[kIsLevel]);
+  o.is_correction = static_cast<IsCorrection>(codes[kIsCorrection]);
+  o.ess_on_corrected = codes[kEssOnCorrected] != 0;
+  o.lr_rule = static_cast<LrRule>(codes[kLrRule]);
+  o.advantage = advantages_given ? Advantage::Given : static_cast<Advantage>(codes[kAdvantage]);
+  o.norm_by_std = codes[kNormByStd] != 0;
+  o.opob_length_norm = codes[kOpobLengthNorm] != 0;
+  o.opob_weight = static_cast<OpobWeight>(codes[kOpobWeight]);
+  o.loss_agg = static_cast<LossAgg>(codes[kLossAgg]);
+  o.opob_aggregation = static_cast<OpobAggregation>(codes[kOpobAggregation]);
+  o.log_threshold = values[kLogThreshold];
+  o.log_threshold_low = values[kLogThresholdLow];
+  o.ess_base_ratio = values[kEssBaseRatio];
+  o.clip_low = given(values[kClipLow]);
+  o.clip_high = given(values[kClipHigh]);
+  o.clip_c = given(values[kClipC]);
+  o.norm_length = values[kNormLength];
+  o.winsorize_low = values[kWinsorizeLow];
+  o.winsorize_high = values[kWinsorizeHigh];
+  o.rejection = codes[kRejection];
   for (int64_t j = 0; j < kNumRejection; ++j) {
-    o.reject_low[j] = values[kTokenK1Low + 2 * j];
-    o.reject_high[j] = values[kTokenK1Low + 2 * j + 1];
+    o.reject_low[j] = values[kRejectionLow[j]];
+    o.reject_high[j] = values[kRejectionHigh[j]];
   }
   return o;
 }
@@ -97,23 +91,24 @@ struct LossParams {
 
 template <typename real_t>
 LossParams<real_t> loss_params(const LossOptions& o) {
-  const bool clip = o.clip_low.has_value() && o.clip_high.has_value();
-  return LossParams<real_t>{o.is_level,
-                            o.is_correction,
-                            static_cast<real_t>(o.log_threshold),
-                            static_cast<real_t>(o.log_threshold_low),
-                            clip,
-                            static_cast<real_t>(1.0 - o.clip_low.value_or(0.0)),
-                            static_cast<real_t>(1.0 + o.clip_high.value_or(0.0)),
-                            clip && o.clip_c.has_value(),
-                            static_cast<real_t>(o.clip_c.value_or(0.0)),
-                            o.rejects(Rejection::TokenK1),
-                            o.rejects(Rejection::TokenK2),
-                            o.rejects(Rejection::TokenK3),
-                            static_cast<real_t>(o.reject_low[0]),
-                            static_cast<real_t>(o.reject_high[0]),
-                            static_cast<real_t>(o.reject_high[1]),
-                            static_cast<real_t>(o.reject_high[2])};
+  LossParams<real_t> p;
+  p.level = o.is_level;
+  p.correction = o.is_correction;
+  p.log_hi = static_cast<real_t>(o.log_threshold);
+  p.log_lo = static_cast<real_t>(o.log_threshold_low);
+  p.clip = o.clip_low.has_value() && o.clip_high.has_value();
+  p.ratio_lo = static_cast<real_t>(1.0 - o.clip_low.value_or(0.0));
+  p.ratio_hi = static_cast<real_t>(1.0 + o.clip_high.value_or(0.0));
+  p.dual_clip = p.clip && o.clip_c.has_value();
+  p.dual_c = static_cast<real_t>(o.clip_c.value_or(0.0));
+  p.reject_k1 = o.rejects(Rejection::TokenK1);
+  p.reject_k2 = o.rejects(Rejection::TokenK2);
+  p.reject_k3 = o.rejects(Rejection::TokenK3);
+  p.k1_lo = static_cast<real_t>(o.low(Rejection::TokenK1));
+  p.k1_hi = static_cast<real_t>(o.high(Rejection::TokenK1));
+  p.k2_hi = static_cast<real_t>(o.high(Rejection::TokenK2));
+  p.k3_hi = static_cast<real_t>(o.high(Rejection::TokenK3));
+  return p;
 }
 
 }  // namespace vcpo

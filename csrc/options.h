@@ -13,6 +13,9 @@ enum class Advantage : int64_t { Opob = 0, Grpo = 1, Rloo = 2, Reinforce = 3, No
 enum class OpobWeight : int64_t { Raw = 0, Truncated = 1, ReferenceCompat = 2 };
 enum class LossAgg : int64_t { TokenMean = 0, SeqMeanTokenMean = 1, SeqMeanTokenSum = 2, SeqMeanTokenSumNorm = 3 };
 enum class OpobAggregation : int64_t { Mean = 0, Median = 1, WinsorizedMean = 2 };
+enum class Rejection : int64_t { TokenK1 = 0, TokenK2 = 1, TokenK3 = 2, SeqSumK1 = 3, SeqSumK2 = 4, SeqSumK3 = 5, SeqMeanK1 = 6, SeqMeanK2 = 7, SeqMeanK3 = 8, SeqMaxK2 = 9, SeqMaxK3 = 10 };
+
+constexpr int64_t kNumRejection = 11;
 
 enum Scalar : int64_t {
   kEss = 0,
@@ -75,6 +78,34 @@ enum LossValue : int64_t {
   kSeqMaxK3Low = 29,
   kSeqMaxK3High = 30,
   kNumLossValues = 31,
+};
+
+// The LossValue of each Rejection criterion's low and high bound, in Rejection order.
+constexpr LossValue kRejectionLow[kNumRejection] = {
+  kTokenK1Low,
+  kTokenK2Low,
+  kTokenK3Low,
+  kSeqSumK1Low,
+  kSeqSumK2Low,
+  kSeqSumK3Low,
+  kSeqMeanK1Low,
+  kSeqMeanK2Low,
+  kSeqMeanK3Low,
+  kSeqMaxK2Low,
+  kSeqMaxK3Low,
+};
+constexpr LossValue kRejectionHigh[kNumRejection] = {
+  kTokenK1High,
+  kTokenK2High,
+  kTokenK3High,
+  kSeqSumK1High,
+  kSeqSumK2High,
+  kSeqSumK3High,
+  kSeqMeanK1High,
+  kSeqMeanK2High,
+  kSeqMeanK3High,
+  kSeqMaxK2High,
+  kSeqMaxK3High,
 };
 
 }  // namespace vcpo

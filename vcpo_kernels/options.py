@@ -66,6 +66,7 @@ _ENUMS = {
     "OpobWeight": OPOB_WEIGHTS,
     "LossAgg": LOSS_AGG_MODES,
     "OpobAggregation": OPOB_AGGREGATIONS,
+    "Rejection": {name: j for j, name in enumerate(REJECTION_CRITERIA)},
 }
 
 
@@ -251,9 +252,15 @@ def cpp_header() -> str:
         members = ", ".join(f"{_camel(k)} = {v}" for k, v in codes.items())
         lines.append(f"enum class {enum} : int64_t {{ {members} }};")
     lines.append("")
+    lines.append(f"constexpr int64_t kNumRejection = {len(REJECTION_CRITERIA)};")
+    lines.append("")
     for enum, names, count in (("Scalar", SCALAR_FIELDS, "kNumScalars"), ("LossCode", LOSS_CODES, "kNumLossCodes"),
                                ("LossValue", LOSS_VALUES, "kNumLossValues")):
         members = "".join(f"  k{_camel(name)} = {i},\n" for i, name in enumerate(names))
         lines.append(f"enum {enum} : int64_t {{\n{members}  {count} = {len(names)},\n}};")
+    lines += ["", "// The LossValue of each Rejection criterion's low and high bound, in Rejection order."]
+    for side in ("low", "high"):
+        members = "".join(f"  k{_camel(name)}{side.capitalize()},\n" for name in REJECTION_CRITERIA)
+        lines.append(f"constexpr LossValue kRejection{side.capitalize()}[kNumRejection] = {{\n{members}}};")
     lines += ["", "}  // namespace vcpo", ""]
     return "\n".join(lines)

@@ -39,9 +39,8 @@ bool sequence_rejected(const TokenView& v, int64_t i, acc_t length, const LossOp
     }
   }
   auto fails = [&](Rejection r, int j, acc_t stat) {
-    const int64_t idx = static_cast<int64_t>(r);
     if (!o.rejects(r)) return false;
-    return j == 0 ? !(stat >= o.reject_low[idx] && stat <= o.reject_high[idx]) : !(stat <= o.reject_high[idx]);
+    return j == 0 ? !(stat >= o.low(r) && stat <= o.high(r)) : !(stat <= o.high(r));
   };
   const Rejection sums[3] = {Rejection::SeqSumK1, Rejection::SeqSumK2, Rejection::SeqSumK3};
   const Rejection means[3] = {Rejection::SeqMeanK1, Rejection::SeqMeanK2, Rejection::SeqMeanK3};

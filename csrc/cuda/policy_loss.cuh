@@ -161,13 +161,18 @@ __global__ void finish_kernel(const acc_t* partials, int64_t num_parts, const do
   const double units = token_level ? tokens : seqs;
   const double unit_changed = token_level ? changed : work[kWChanged];
   const double unit_coef = token_level ? coef : work[kWCoef];
-  const double out[kNumScalars] = {work[kWEss], work[kWRatio], work[kWLr],
-                                   units > 0 ? unit_changed / units : 0.0, units > 0 ? unit_coef / units : 0.0,
-                                   tokens > 0 ? work[kWKl] / tokens : 0.0, tokens, seqs, work[kWNonfinite],
-                                   tokens > 0 ? clipped / tokens : 0.0,
-                                   0.0};  // rejected_fraction: rejection is the reference's only, so far
   *loss_out = static_cast<acc_t>(loss);
-  for (int j = 0; j < kNumScalars; ++j) scalars[j] = static_cast<acc_t>(out[j]);
+  scalars[kEss] = static_cast<acc_t>(work[kWEss]);
+  scalars[kEssRatio] = static_cast<acc_t>(work[kWRatio]);
+  scalars[kLrScale] = static_cast<acc_t>(work[kWLr]);
+  scalars[kIsClipFraction] = static_cast<acc_t>(units > 0 ? unit_changed / units : 0.0);
+  scalars[kMeanIsCoef] = static_cast<acc_t>(units > 0 ? unit_coef / units : 0.0);
+  scalars[kKlK3] = static_cast<acc_t>(tokens > 0 ? work[kWKl] / tokens : 0.0);
+  scalars[kNumTokens] = static_cast<acc_t>(tokens);
+  scalars[kNumSeqs] = static_cast<acc_t>(seqs);
+  scalars[kNumNonfinite] = static_cast<acc_t>(work[kWNonfinite]);
+  scalars[kPpoClipFraction] = static_cast<acc_t>(tokens > 0 ? clipped / tokens : 0.0);
+  scalars[kRejectedFraction] = acc_t(0);  // rejection is refused on CUDA so far (kernel_refusal)
 }
 
 }  // namespace

@@ -1,7 +1,9 @@
-"""The option codes are written once (vcpo_kernels/options.py): the generated C++ header agrees with them, and
-the fused op's packed options are complete and refused when malformed."""
+"""The option codes are written once (vcpo_kernels/options.py): the generated C++ header agrees with them and no
+other C++ source writes them again, Triton names the same positions, and the fused op's packed options are
+complete and refused when malformed."""
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,34 @@ def test_header_lists_every_code():
     for names in (options.SCALAR_FIELDS, options.LOSS_CODES, options.LOSS_VALUES):
         for i, name in enumerate(names):
             assert f"k{options._camel(name)} = {i}," in header
+    criteria = options.REJECTION_CRITERIA
+    assert "enum class Rejection : int64_t { " + ", ".join(
+        f"{options._camel(name)} = {j}" for j, name in enumerate(criteria)) + " };" in header
+    assert f"constexpr int64_t kNumRejection = {len(criteria)};" in header
+    for side in ("Low", "High"):  # each criterion's bound, by its LossValue name
+        bounds = re.search(rf"kRejection{side}\[kNumRejection\] = {{\n(.*?)}};", header, re.S).group(1)
+        assert bounds == "".join(f"  k{options._camel(name)}{side},\n" for name in criteria)
+
+
+def test_generated_names_are_defined_nowhere_else():
+    """csrc/options.h is the only C++ source that defines an enum, enumerator or constant it generates."""
+    header = options.cpp_header()
+    generated = set(re.findall(r"enum (?:class )?(\w+)", header) + re.findall(r"constexpr \w+ (\w+)", header) +
+                    re.findall(r"\b(k\w+) = ", header))
+    for path in sorted((ROOT / "csrc").rglob("*")):
+        if path.suffix not in (".h", ".cpp", ".cuh", ".cu") or path.name == "options.h":
+            continue
+        text = path.read_text()
+        again = sorted(name for name in generated
+                       if re.search(rf"enum (class )?{name}\b|constexpr \w+ {name}\b|\b{name}\s*=[^=]", text))
+        assert not again, f"{path.relative_to(ROOT)} defines {again} again: generate it from vcpo_kernels/options.py"
+
+
+def test_triton_scalar_positions_are_the_fields():
+    codes = pytest.importorskip("vcpo_kernels.triton.codes")
+    named = {name: getattr(codes, f"SCALAR_{name.upper()}", None) for name in options.SCALAR_FIELDS}
+    assert {name: None if v is None else v.value for name, v in named.items()} == {
+        name: i for i, name in enumerate(options.SCALAR_FIELDS)}
 
 
 def test_packed_options_by_position():

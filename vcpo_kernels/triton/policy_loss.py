@@ -18,7 +18,9 @@ from ..inputs import SequenceBatch, TokenBatch
 from ..options import ADVANTAGES, IS_CORRECTIONS, IS_LEVELS, LOSS_AGG_MODES, LR_RULES, SCALAR_FIELDS, PolicyLossOptions
 from .advantages import OPOB, advantages
 from .codes import (AGG_SEQ_MEAN_TOKEN_MEAN, AGG_SEQ_MEAN_TOKEN_SUM, AGG_TOKEN_MEAN, CORRECTION_MASK,
-                    CORRECTION_TRUNCATE, LEVEL_GEOMETRIC, LEVEL_TOKEN)
+                    CORRECTION_TRUNCATE, LEVEL_GEOMETRIC, LEVEL_TOKEN, SCALAR_ESS, SCALAR_ESS_RATIO,
+                    SCALAR_IS_CLIP_FRACTION, SCALAR_KL_K3, SCALAR_LR_SCALE, SCALAR_MEAN_IS_COEF, SCALAR_NUM_NONFINITE,
+                    SCALAR_NUM_SEQS, SCALAR_NUM_TOKENS, SCALAR_PPO_CLIP_FRACTION, SCALAR_REJECTED_FRACTION)
 from .effective_sample_size import ess_of
 from .segments import BLOCK, CHUNK, chunk_span
 from .sequence_stats import sequence_sums
@@ -45,8 +47,13 @@ def is_changed(lw, log_hi, log_lo, CORRECTION: tl.constexpr):
     return lw * 0.0
 
 
-# work[0:9]: what the batch program hands to the last one: ESS, ESS ratio, lr scale, sequence-level changed
-# units and coefficient sum, K3 sum, counted tokens, valid sequences, non-finite log weights.
+# The slots of the float64 work vector the batch program hands to the last one: ESS, ESS ratio, lr scale,
+# sequence-level changed units and coefficient sum, K3 sum, counted tokens, valid sequences, non-finite log weights.
+NUM_WORK = 9
+WORK_ESS, WORK_RATIO, WORK_LR, WORK_CHANGED, WORK_COEF, WORK_KL, WORK_TOKENS, WORK_SEQS, WORK_NONFINITE = (
+    tl.constexpr(i) for i in range(NUM_WORK))
+
+
 @triton.jit
 def _batch_step(s_ptr, len_ptr, kl_ptr, gs_ptr, work_ptr, n, log_hi, log_lo, base, norm_length,
                 ESS_TRUNC: tl.constexpr, RULE: tl.constexpr, LEVEL: tl.constexpr, CORRECTION: tl.constexpr,
@@ -88,15 +95,15 @@ def _batch_step(s_ptr, len_ptr, kl_ptr, gs_ptr, work_ptr, n, log_hi, log_lo, bas
             changed += tl.sum(tl.where(valid, is_changed(lw, log_hi, log_lo, CORRECTION), 0.0), 0)
             coef_sum += tl.sum(tl.where(valid, c, 0.0), 0)
         tl.store(gs_ptr + i, tl.where(valid, a * c, 0.0).to(gs_ptr.dtype.element_ty), mask=i < n)
-    tl.store(work_ptr + 0, ess)
-    tl.store(work_ptr + 1, ratio)
-    tl.store(work_ptr + 2, lr)
-    tl.store(work_ptr + 3, changed)
-    tl.store(work_ptr + 4, coef_sum)
-    tl.store(work_ptr + 5, kl)
-    tl.store(work_ptr + 6, tokens)
-    tl.store(work_ptr + 7, seqs)
-    tl.store(work_ptr + 8, nonfinite)
+    tl.store(work_ptr + WORK_ESS, ess)
+    tl.store(work_ptr + WORK_RATIO, ratio)
+    tl.store(work_ptr + WORK_LR, lr)
+    tl.store(work_ptr + WORK_CHANGED, changed)
+    tl.store(work_ptr + WORK_COEF, coef_sum)
+    tl.store(work_ptr + WORK_KL, kl)
+    tl.store(work_ptr + WORK_TOKENS, tokens)
+    tl.store(work_ptr + WORK_SEQS, seqs)
+    tl.store(work_ptr + WORK_NONFINITE, nonfinite)
 
 
 @triton.jit
@@ -196,29 +203,32 @@ def _finish(part_ptr, num_parts, work_ptr, gs_ptr, adv_ptr, len_ptr, n, loss_ptr
             gs = tl.load(gs_ptr + i, mask=i < n, other=0.0).to(tl.float64)
             adv = tl.load(adv_ptr + i, mask=i < n, other=0.0).to(tl.float64)
             loss -= tl.sum(tl.where((length > 0) & (gs != 0.0), gs * adv * length, 0.0), 0)
-    tokens = tl.load(work_ptr + 6)
-    seqs = tl.load(work_ptr + 7)
+    tokens = tl.load(work_ptr + WORK_TOKENS)
+    seqs = tl.load(work_ptr + WORK_SEQS)
     if TOKEN_LEVEL:
         unit_changed = tok_changed
         unit_coef = tok_coef
         units = tokens
     else:
-        unit_changed = tl.load(work_ptr + 3)
-        unit_coef = tl.load(work_ptr + 4)
+        unit_changed = tl.load(work_ptr + WORK_CHANGED)
+        unit_coef = tl.load(work_ptr + WORK_COEF)
         units = seqs
     dt = scalars_ptr.dtype.element_ty
     tl.store(loss_ptr, loss.to(dt))
-    tl.store(scalars_ptr + 0, tl.load(work_ptr + 0).to(dt))
-    tl.store(scalars_ptr + 1, tl.load(work_ptr + 1).to(dt))
-    tl.store(scalars_ptr + 2, tl.load(work_ptr + 2).to(dt))
-    tl.store(scalars_ptr + 3, tl.where(units > 0, unit_changed / tl.maximum(units, 1.0), 0.0).to(dt))
-    tl.store(scalars_ptr + 4, tl.where(units > 0, unit_coef / tl.maximum(units, 1.0), 0.0).to(dt))
-    tl.store(scalars_ptr + 5, tl.where(tokens > 0, tl.load(work_ptr + 5) / tl.maximum(tokens, 1.0), 0.0).to(dt))
-    tl.store(scalars_ptr + 6, tokens.to(dt))
-    tl.store(scalars_ptr + 7, seqs.to(dt))
-    tl.store(scalars_ptr + 8, tl.load(work_ptr + 8).to(dt))
-    tl.store(scalars_ptr + 9, tl.where(tokens > 0, clipped / tl.maximum(tokens, 1.0), 0.0).to(dt))
-    tl.store(scalars_ptr + 10, tl.zeros((), dt))  # rejected_fraction: no rejection here yet (kernel_refusal)
+    tl.store(scalars_ptr + SCALAR_ESS, tl.load(work_ptr + WORK_ESS).to(dt))
+    tl.store(scalars_ptr + SCALAR_ESS_RATIO, tl.load(work_ptr + WORK_RATIO).to(dt))
+    tl.store(scalars_ptr + SCALAR_LR_SCALE, tl.load(work_ptr + WORK_LR).to(dt))
+    tl.store(scalars_ptr + SCALAR_IS_CLIP_FRACTION,
+             tl.where(units > 0, unit_changed / tl.maximum(units, 1.0), 0.0).to(dt))
+    tl.store(scalars_ptr + SCALAR_MEAN_IS_COEF, tl.where(units > 0, unit_coef / tl.maximum(units, 1.0), 0.0).to(dt))
+    tl.store(scalars_ptr + SCALAR_KL_K3,
+             tl.where(tokens > 0, tl.load(work_ptr + WORK_KL) / tl.maximum(tokens, 1.0), 0.0).to(dt))
+    tl.store(scalars_ptr + SCALAR_NUM_TOKENS, tokens.to(dt))
+    tl.store(scalars_ptr + SCALAR_NUM_SEQS, seqs.to(dt))
+    tl.store(scalars_ptr + SCALAR_NUM_NONFINITE, tl.load(work_ptr + WORK_NONFINITE).to(dt))
+    tl.store(scalars_ptr + SCALAR_PPO_CLIP_FRACTION,
+             tl.where(tokens > 0, clipped / tl.maximum(tokens, 1.0), 0.0).to(dt))
+    tl.store(scalars_ptr + SCALAR_REJECTED_FRACTION, tl.zeros((), dt))  # no rejection here yet (kernel_refusal)
 
 
 def _token_args(t: TokenBatch, plan, adv, gs, opts: PolicyLossOptions):
@@ -244,7 +254,7 @@ class _PolicyLoss(torch.autograd.Function):
         sums, plan = sequence_sums(t)
         s, length, kl = sums[0], sums[1], sums[2]
         gs = torch.empty(b, dtype=acc, device=device)
-        work = torch.empty(9, dtype=torch.float64, device=device)
+        work = torch.empty(NUM_WORK, dtype=torch.float64, device=device)
         log_hi, log_lo = math.log(opts.is_threshold), math.log(opts.threshold_low)
         _batch_step[(1,)](s, length, kl, gs, work, b, log_hi, log_lo, opts.ess_base_ratio,
                           float(norm_length or 1.0), ESS_TRUNC=opts.ess_on_corrected, RULE=LR_RULES[opts.lr_rule],
