@@ -20,7 +20,7 @@ import vcpo_kernels as vk
 
 from .config import VCPOConfig
 from .distributed import agg_count, global_share
-from .grad_norms import PerSequenceGradients, UnsupportedModuleError
+from .grad_norms import RECORDED, PerSequenceGradients, UnsupportedModuleError, recorder
 from .loss import policy_loss
 from .lr import scale_lr
 
@@ -265,14 +265,13 @@ class _Pass:
         ids = mb.input_ids
         self.mask = mb.loss_mask[:, 1:] != 0
         self.bookkeeping = bookkeeping
-        record = norms and config.grad_norms in ("exact", "lm_head")
+        record = norms and config.grad_norms in RECORDED
         self.fused = _FusedHead(model, mb, self.mask, config, record) if config.fused_lm_head else None
-        # The fused op adds the head's own norm; the recorder, every other layer's ("exact") or the head's.
-        recorded = record and (config.grad_norms == "exact" or self.fused is None)
-        modules = None if config.grad_norms == "exact" else [model.get_output_embeddings()]
-        # Frozen parameters: the forward keeps only what activation gradients need (no backward to them follows).
-        self.psg = (PerSequenceGradients(model, num_seqs=ids.shape[0], seq_len=ids.shape[1], modules=modules,
-                                         freeze_parameters=bookkeeping or not keep) if recorded else None)
+        # The fused op adds the head's own norm; the recorder, every other layer's ("exact") or the head's. Frozen
+        # parameters: the forward keeps only what activation gradients need (no backward to them follows).
+        self.psg = recorder(model, config.grad_norms, num_seqs=ids.shape[0], seq_len=ids.shape[1],
+                            freeze_parameters=bookkeeping or not keep, head_outside=self.fused is not None
+                            ) if record else None
         with self.psg if self.psg is not None else nullcontext(), torch.set_grad_enabled(record or keep):
             if self.fused is not None:
                 logp = self.fused.logp(self.psg, detach_body=record and not keep and self.psg is None)
@@ -387,7 +386,7 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatc
                       bookkeeping=False).backward(dlogp[rows, :width - 1])
     world = dist.get_world_size(process_group) if process_group is not None else 1
     sums = _loss_sums(out, config, mask.any(1), grad_sq_norm, world)
-    if sharded:  # FSDP2's reduce-scatter (or book-keeping's, vcpo/grad_norms.py) averaged the gradients
+    if sharded:  # FSDP2's reduce-scatter (or book-keeping's, vcpo/grad_norms/fsdp.py) averaged the gradients
         dist.all_reduce(sums, group=process_group)
     elif process_group is not None:
         _average_gradients(params, process_group, sums)

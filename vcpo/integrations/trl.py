@@ -26,7 +26,7 @@ import vcpo_kernels
 
 from ..config import VCPOConfig
 from ..distributed import agg_count, largest_abs
-from ..grad_norms import PerSequenceGradients, UnsupportedModuleError
+from ..grad_norms import UnsupportedModuleError, recorder
 from ..loss import policy_loss
 from ..lr import scale_lr
 from ..step import skip_names, skip_reason, token_logp
@@ -239,10 +239,8 @@ class VCPOGRPOTrainer(GRPOTrainer):
         return logp, None if how == "uniform" else torch.cat(norms).to(logp.dtype)
 
     def _chunk_norms(self, model, ids, attention, mask, c, how):
-        record = how in ("exact", "lm_head")
-        modules = None if how == "exact" else [model.get_output_embeddings()]
-        psg = (PerSequenceGradients(model, num_seqs=ids.shape[0], seq_len=ids.shape[1], modules=modules,
-                                    freeze_parameters=True) if record else None)
+        psg = recorder(model, how, num_seqs=ids.shape[0], seq_len=ids.shape[1], freeze_parameters=True)
+        record = psg is not None
         with psg if psg is not None else nullcontext(), torch.set_grad_enabled(record):
             logits = model(input_ids=ids, attention_mask=attention, use_cache=False).logits[:, -c - 1:-1]
             logp = token_logp(logits / self.temperature, ids[:, -c:])
