@@ -65,6 +65,19 @@ def test_a_partial_last_line_is_dropped_with_a_warning_naming_the_file(tmp_path,
     assert str(run / name) in warning and "partial last line" in warning and "line 6" in warning
 
 
+def test_evaluations_of_the_resumed_version_and_after_are_dropped(tmp_path):
+    """The resumed engine evaluates the checkpoint's version first: evals.jsonl keeps only the versions before it,
+    so that no version is logged twice; a partial last line goes as in the step logs."""
+    run = resumable(tmp_path)
+    (run / "evals.jsonl").write_text("".join(json.dumps({"version": v, "accuracy": 0.5}) + "\n" for v in (0, 2, 4, 5))
+                                     + '{"version": 6, "accur')
+    logged = []
+    RunFolder(str(run), resume=True, log=logged.append).rewind(4)
+    assert [json.loads(line)["version"] for line in open(run / "evals.jsonl")] == [0, 2]
+    (warning,) = logged
+    assert str(run / "evals.jsonl") in warning and "partial last line" in warning
+
+
 def test_a_last_line_without_its_newline_is_kept_whole(tmp_path):
     run = resumable(tmp_path)
     cut(run / "metrics.jsonl", -1)  # the final "\n" of step 5's line

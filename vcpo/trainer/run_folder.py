@@ -21,10 +21,10 @@ from .plot import plot_run
 from .report import Reporters, parse_report_to
 
 
-def _truncate_jsonl(path: str, max_step: int, log: Callable[[str], None]) -> None:
-    """Drop the lines of steps after `max_step` (they will be done again) and a partial last line (the process was
-    killed while writing it: its step is after the checkpoint, whose lines were on disk before it was); any other
-    line that is not a JSON row with a step is an error naming the file and line."""
+def _truncate_jsonl(path: str, key: str, last_kept: int, log: Callable[[str], None]) -> None:
+    """Drop the lines whose `key` (step or version) is after `last_kept` (they will be done again) and a partial
+    last line (the process was killed while writing it: its step is after the checkpoint, whose lines were on disk
+    before it was); any other line that is not a JSON row with that key is an error naming the file and line."""
     if not os.path.isfile(path):
         return
     with open(path, "rb") as f:
@@ -36,17 +36,17 @@ def _truncate_jsonl(path: str, max_step: int, log: Callable[[str], None]) -> Non
             continue
         try:
             row = json.loads(line)
-            step = row["step"]
-            if not isinstance(step, int):
-                raise TypeError(f"step {step!r} is not an integer")
+            value = row[key]
+            if not isinstance(value, int):
+                raise TypeError(f"{key} {value!r} is not an integer")
         except (ValueError, KeyError, TypeError) as e:
             if i == last:
                 log(f"warning: {path}: dropped its partial last line (line {i + 1}, {len(line)} bytes: the run was "
                     "stopped while writing it)")
                 continue
-            raise ValueError(f"{path}, line {i + 1}: not a JSON row with a step ({type(e).__name__}: {e}); the "
+            raise ValueError(f"{path}, line {i + 1}: not a JSON row with a {key} ({type(e).__name__}: {e}); the "
                              "lines after a checkpoint are dropped on resume, but this one is not the last") from None
-        if step <= max_step:
+        if value <= last_kept:
             keep.append(line + b"\n")
     with open(path + ".tmp", "wb") as f:
         f.writelines(keep)
@@ -178,10 +178,12 @@ class RunFolder:
         return folder
 
     def rewind(self, step: int) -> None:
-        """Resuming at `step`: the logged steps after it are forgotten."""
+        """Resuming at `step`: the logged steps after it are forgotten, and the evaluations of its version and after
+        (the resumed engine evaluates the checkpoint's version first)."""
         self.first_step = step + 1
         for name in ("metrics.jsonl", "rollouts.jsonl"):
-            _truncate_jsonl(self.file(name), step, self.log)
+            _truncate_jsonl(self.file(name), "step", step, self.log)
+        _truncate_jsonl(self.file("evals.jsonl"), "version", step - 1, self.log)
 
     def write_json(self, name: str, value: dict) -> None:
         with open(self.file(name), "w") as f:
