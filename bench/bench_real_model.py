@@ -33,6 +33,8 @@ GRPO = dict(advantage="grpo", grad_norms="uniform", lr_rule=None, is_correction=
 CASES = {
     "grpo": (GRPO, None, False),
     "vcpo": ({}, None, False),
+    "grpo m=8": (GRPO, 8, False),
+    "vcpo m=8": ({}, 8, False),
     "grpo m=4": (GRPO, 4, False),
     "vcpo m=4": ({}, 4, False),
     "grpo m=4 ckpt": (GRPO, 4, True),

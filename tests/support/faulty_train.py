@@ -7,11 +7,12 @@ in the faults FAULTS_JSON names (its keys, each optional):
   behaviour log-prob of -inf;
 - "slow_commit": PATH: each checkpoint, once written and before it is synced and renamed into place, creates PATH
   and waits 1 s (a SIGKILL sent when PATH appears lands in the middle of the checkpoint);
-- "enospc_at_step": N: writing a file of the checkpoint of step N fails with ENOSPC, as on a full disk;
+- "disk_full_at_step": N: from the checkpoint of step N on, no file of the process may grow past 256 KiB
+  (RLIMIT_FSIZE; SIGXFSZ ignored), so the real writers of the checkpoint (safetensors, torch.save) fail with
+  EFBIG, as they would on a full disk with ENOSPC (the logs of this short run stay smaller);
 - "kill_server_mid_sync": {"version": V, "run_dir": RUN}: the sync of version V SIGKILLs the pool's first server
   (its process group, from RUN/servers/servers.json) after pausing it and before it reloads the weights."""
 
-import errno
 import json
 import os
 import signal
@@ -46,17 +47,18 @@ def slow_commit(marker: str) -> None:
     run_folder._fsync_tree = announced
 
 
-def enospc_at_step(step: int) -> None:
-    import torch
+def disk_full_at_step(step: int) -> None:
+    from support.file_limits import limit_file_size
+    from vcpo.trainer.run_folder import RunFolder
 
-    save = torch.save
+    new_checkpoint = RunFolder.new_checkpoint
 
-    def full_disk(obj, f, *args, **kwargs):
-        if isinstance(f, (str, os.PathLike)) and f"step-{step:06d}" in str(f):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
-        return save(obj, f, *args, **kwargs)
+    def limited(self, at):
+        if at == step:
+            limit_file_size(256 * 1024)  # for the rest of the process
+        return new_checkpoint(self, at)
 
-    torch.save = full_disk
+    RunFolder.new_checkpoint = limited
 
 
 def kill_server_mid_sync(version: int, run_dir: str) -> None:
@@ -87,7 +89,7 @@ if __name__ == "__main__":
         if isinstance(value, dict):
             {"fake_engine": fake_engine, "kill_server_mid_sync": kill_server_mid_sync}[name](**value)
         else:
-            {"slow_commit": slow_commit, "enospc_at_step": enospc_at_step}[name](value)
+            {"slow_commit": slow_commit, "disk_full_at_step": disk_full_at_step}[name](value)
     from vcpo.cli import main
 
     sys.exit(main(["train", *sys.argv[2:]]))

@@ -153,18 +153,19 @@ def test_sigkill_at_five_random_moments_then_resume_loses_no_sample(tmp_path, re
 
 
 def test_a_full_disk_at_a_checkpoint_is_an_error_that_keeps_the_previous_one(tmp_path):
-    """ENOSPC while writing the checkpoint of step 6: exit 1 with an error naming the cause and the checkpoint of
-    step 3, which stays whole; the partial one is removed. Once there is room, --resume finishes the run from step 3
+    """The real writers failing while they write the checkpoint of step 6 (a file size limit: EFBIG, as ENOSPC on a
+    full disk): exit 1 with an error naming the cause and the checkpoint of step 3, which stays whole; the partial
+    one is removed. Once there is room, --resume finishes the run from step 3
     with every sample once."""
     from vcpo.trainer.run_folder import unreadable
 
     folder = tmp_path / "run"
-    proc = launch({"fake_engine": ENGINE, "enospc_at_step": 6}, cli_args(folder))
+    proc = launch({"fake_engine": ENGINE, "disk_full_at_step": 6}, cli_args(folder))
     out = proc.communicate(timeout=900)[0]
     assert proc.returncode == 1, out[-5000:]
     newest = folder / "checkpoints" / "step-000003"
-    assert "vcpo train: error: writing the checkpoint of step 6 failed (OSError: [Errno 28] No space left on device" \
-        in out and f"the newest whole checkpoint is {newest}, untouched" in out and f"--resume {folder}" in out
+    assert "vcpo train: error: writing the checkpoint of step 6 failed (" in out and "File too large" in out and \
+        f"the newest whole checkpoint is {newest}, untouched" in out and f"--resume {folder}" in out
     assert "Traceback" not in out
     assert sorted(os.listdir(folder / "checkpoints")) == ["step-000003"] and unreadable(str(newest)) is None
 

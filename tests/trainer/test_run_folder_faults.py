@@ -201,6 +201,32 @@ def test_a_failed_checkpoint_write_keeps_the_previous_one_and_names_it(tmp_path,
     assert open(os.path.join(run.checkpoints()[0], "optimizer.pt")).read() == "whole"
 
 
+@pytest.mark.parametrize("writer", ["safetensors", "torch.save", "open"])
+def test_the_real_writers_failing_is_a_checkpoint_error(tmp_path, monkeypatch, writer):
+    """What safetensors (SafetensorError), torch.save (RuntimeError) and a file object (OSError) raise when the disk
+    refuses a write (here EFBIG under a file size limit): CheckpointError naming the cause; the partial checkpoint is
+    gone and the previous one stays."""
+    from safetensors.torch import save_file
+
+    from support.file_limits import file_size_limit
+    from vcpo.trainer import run_folder
+    from vcpo.trainer.run_folder import CheckpointError
+
+    monkeypatch.setattr(run_folder, "plot_run", lambda path: None)
+    run = RunFolder(str(tmp_path / "run"), resume=False)
+    with run.checkpoint(3, keep=1) as folder:
+        save_file({"w": torch.ones(3)}, os.path.join(folder, "model.safetensors"))
+    big = torch.ones(1 << 18)  # 1 MiB
+    write = {"safetensors": lambda path: save_file({"w": big}, path),
+             "torch.save": lambda path: torch.save({"w": big}, path),
+             "open": lambda path: open(path, "wb").write(big.numpy().tobytes())}[writer]
+    with pytest.raises(CheckpointError, match=re.escape("writing the checkpoint of step 6 failed (")) as caught:
+        with file_size_limit(64 * 1024), run.checkpoint(6, keep=1) as folder:
+            write(os.path.join(folder, "model.safetensors"))
+    assert f"the newest whole checkpoint is {run.checkpoints()[0]}, untouched" in str(caught.value)
+    assert os.listdir(run.file("checkpoints")) == ["step-000003"]
+
+
 def test_checkpoints_sort_by_step_and_ignore_other_names(tmp_path):
     root = tmp_path / "checkpoints"
     for name in ("step-999999", "step-1000000", "step-000010.tmp", "step-000005.corrupt", "step-x", "notes"):
@@ -250,9 +276,11 @@ def test_checkpoint_files_are_loaded_without_running_pickled_code(model_folder, 
     assert unreadable(model_folder) is None
     torch.save({"state": {}, "param_groups": [_Payload(str(marker))]}, os.path.join(model_folder, file))
     assert unreadable(model_folder).startswith(f"{file}: UnpicklingError: Weights only load failed")
-    if file == "optimizer.pt":
-        with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        if file == "optimizer.pt":
             policy_of(model_folder, resume=True)
+        else:
+            LoopState.load(str(model_folder), None)
     assert not marker.exists()
 
 

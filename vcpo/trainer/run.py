@@ -406,7 +406,7 @@ class LoopState:
 
     @classmethod
     def load(cls, checkpoint: str, policy: Policy) -> "LoopState":
-        s = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=False)
+        s = torch.load(os.path.join(checkpoint, "trainer_state.pt"), weights_only=True)
         random.setstate(s["rng"]["python"])
         torch.set_rng_state(s["rng"]["torch"])
         return cls(step=s["step"], elapsed=s["elapsed"], next_batch=s["next_batch"],

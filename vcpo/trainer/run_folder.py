@@ -17,6 +17,8 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional
 
+from safetensors import SafetensorError
+
 from .plot import plot_run
 from .report import Reporters, parse_report_to
 
@@ -114,6 +116,11 @@ def unreadable(folder: str) -> Optional[str]:
         except Exception as e:  # noqa: BLE001 - any failure to read is the answer
             return f"{name}: {type(e).__name__}: {e}"
     return None
+
+
+# What a failed write raises: os and file objects OSError, torch.save RuntimeError ("unexpected pos", "file write
+# failed"), safetensors SafetensorError ("I/O error").
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
 
 
 class CheckpointError(RuntimeError):
@@ -241,18 +248,19 @@ class RunFolder:
     @contextmanager
     def checkpoint(self, step: int, keep: int) -> Iterator[str]:
         """An empty folder to write step `step`'s checkpoint into, committed (commit_checkpoint) when the block ends.
-        A write that fails with OSError (ENOSPC: a full disk; a quota; a read-only file system) removes what was
+        A write that fails (a full disk, a quota, a file size limit, a read-only file system) removes what was
         written and raises CheckpointError naming the newest whole checkpoint, which stays as it was."""
         tmp = self.new_checkpoint(step)
         try:
             yield tmp
             self.commit_checkpoint(tmp, keep)
-        except OSError as e:
+        except WRITE_ERRORS as e:
             shutil.rmtree(tmp, ignore_errors=True)
             whole = self.checkpoints()
             raise CheckpointError(
                 f"writing the checkpoint of step {step} failed ({type(e).__name__}: {e}); "
-                + (f"the newest whole checkpoint is {whole[-1]}, untouched; make room, then continue with "
+                + (f"the newest whole checkpoint is {whole[-1]}, untouched; once the cause is gone (a full disk: make "
+                   f"room), continue with "
                    f"`vcpo train --resume {self.path}`" if whole else "the run has no checkpoint yet")) from e
 
     def new_checkpoint(self, step: int) -> str:
