@@ -82,7 +82,7 @@ def throughput(args) -> None:
     `rounds` rounds so that a busy moment of the machine does not fall on one layout only."""
     from vcpo.trainer import tiny
     from vcpo.trainer.pool import ServerPool
-    from vcpo.trainer.task import addition_problems
+    from vcpo.trainer.data import addition_problems
 
     cores = sorted(os.sched_getaffinity(0))
     tok = tiny.build_tokenizer()

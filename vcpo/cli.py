@@ -122,7 +122,7 @@ def _train_parser(sub) -> argparse.ArgumentParser:
 
 def _train(args: argparse.Namespace, argv: list) -> int:
     from .trainer.config import load_file, make_config
-    from .trainer.run import NonFiniteError, resume_config, train
+    from .trainer.run import resume_config, train
 
     given = vars(args).copy()
     resume = given.pop("resume", None)
@@ -139,12 +139,9 @@ def _train(args: argparse.Namespace, argv: list) -> int:
         cfg = resume_config(resume, **settings)
     else:
         cfg = make_config(load_file(config_file) if config_file else None, **settings)
-    from .trainer.pool import EngineUnavailable, WeightSyncError
+    from .trainer.errors import CLI_ERRORS
     from .trainer.ranks import launch_ranks, launched_ranks
-    from .trainer.ray_launch import TrainerRankDied, train_on_ray
-    from .trainer.rewards import RewardError
-    from .trainer.run_folder import CheckpointError
-    from .trainer.servers import ServerStartError
+    from .trainer.ray_launch import train_on_ray
 
     if cfg.validate().ray is None and cfg.trainer_ranks > 1 and launched_ranks() == 1:
         launch_ranks(cfg.trainer_ranks, argv)  # does not return: this process becomes torchrun
@@ -152,8 +149,7 @@ def _train(args: argparse.Namespace, argv: list) -> int:
     try:
         summary = train_on_ray(cfg, resume is not None) if cfg.ray is not None else \
             train(cfg, resume=resume is not None, progress=progress)
-    except (EngineUnavailable, WeightSyncError, ServerStartError, RewardError, TrainerRankDied, NonFiniteError,
-            CheckpointError) as e:
+    except CLI_ERRORS as e:
         print(f"vcpo train: error: {e}", file=sys.stderr)
         return 1
     if summary is None:  # a trainer rank > 0: rank 0 reports the run
@@ -186,14 +182,14 @@ def _eval_parser(sub) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from .trainer.errors import CLI_ERRORS
     from .trainer.evaluate import run_eval
-    from .trainer.rewards import RewardError
 
     try:
         run_eval(args.model, data=args.data, reward=args.reward, n=args.n, engine=args.engine, output=args.output,
                  seed=args.seed, max_new_tokens=args.max_new_tokens, prompt_field=args.prompt_field,
                  answer_field=args.answer_field)
-    except RewardError as e:
+    except CLI_ERRORS as e:
         print(f"vcpo eval: error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -171,7 +171,8 @@ def test_the_trainer_stops_after_max_skipped_steps_in_a_row():
     """vcpo train's count (vcpo/trainer/run.py): a warning per skipped step, then at the limit a checkpoint (once, not
     a second one of the same step) and NonFiniteError naming the steps, batches and reasons (the slow tier runs it
     in a whole run: tests/trainer/test_train_end_to_end.py)."""
-    from vcpo.trainer.run import NonFiniteError, _skipped_step
+    from vcpo.trainer.errors import NonFiniteError
+    from vcpo.trainer.run import _skipped_step
 
     logged, checkpoints = [], []
     rows = [{"step": s, "batch": s - 1, "skip_reason": float(r)} for s, r in ((5, 1), (6, 4), (7, 3))]

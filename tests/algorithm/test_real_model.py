@@ -51,7 +51,7 @@ def batch(tokenizer):
 
 
 def test_chat_template_renders_the_default_system_prompt(folder, tokenizer):
-    from vcpo.trainer.task import PromptFormat
+    from vcpo.trainer.data import PromptFormat
 
     messages = [{"role": "user", "content": PROMPTS[0]}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -15,7 +15,7 @@ import pytest
 from vcpo.trainer import make_config
 from vcpo.trainer.engine import Completion
 from vcpo.trainer.rollouts import pad_rollouts
-from vcpo.trainer.task import PromptFormat, load_problems, split_problems
+from vcpo.trainer.data import PromptFormat, load_problems, split_problems
 
 SPECIAL = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}"
@@ -238,14 +238,14 @@ class FakeEngine:
 def _task(tmp_path, rows=ROWS, **settings):
     from transformers import AutoTokenizer
 
-    from vcpo.trainer.run import Task, _problems
+    from vcpo.trainer.task import Task, run_problems
 
     model = _model_dir(tmp_path, instruct_tokenizer())
     data = tmp_path / "math.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = make_config(model=model, data=str(data), prompt_field="q", answer_field="a", eval_size=2,
                       prompts_per_step=3, responses_per_prompt=2, **settings)
-    problems = _problems(cfg, print)
+    problems = run_problems(cfg, print)
     tok = AutoTokenizer.from_pretrained(model)  # as the trainer loads it
     return Task(cfg, problems, tok, model, types.SimpleNamespace(max_position_embeddings=256)), tok
 

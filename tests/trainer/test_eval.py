@@ -112,7 +112,7 @@ def trained(tmp_path_factory):
     pytest.importorskip("vllm")
     pytest.importorskip("tensorboard")
     from vcpo.trainer.config import make_config
-    from vcpo.trainer.run import _problems
+    from vcpo.trainer.task import run_problems
 
     root = tmp_path_factory.mktemp("eval")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -129,7 +129,7 @@ def trained(tmp_path_factory):
           "--eval-size", 32, "--eval-every", 2, "--checkpoint-every", 2, "--warm-start-steps", 220,
           "--report-to", "tensorboard", "--no-progress", "--output-dir", folder])
     # the built-in prompts are [BOS] + the text: written with the BOS, a data file's prompts tokenize the same
-    held = _problems(make_config(eval_size=32), print, make_model=False).eval
+    held = run_problems(make_config(eval_size=32), print, make_model=False).eval
     data = root / "heldout32.jsonl"
     data.write_text("".join(json.dumps({"question": "<s>" + p.prompt, "sum": p.answer}) + "\n" for p in held))
     shutil.copytree(folder / "checkpoints" / f"step-{STEPS:06d}", root / "model",

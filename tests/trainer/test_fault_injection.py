@@ -44,8 +44,8 @@ def read_jsonl(path):
 
 
 def expected_uids(steps):
-    from vcpo.trainer.run import BUILTIN_PROBLEMS
-    from vcpo.trainer.task import PromptStream
+    from vcpo.trainer.task import BUILTIN_PROBLEMS
+    from vcpo.trainer.data import PromptStream
 
     stream = PromptStream(BUILTIN_PROBLEMS, seed=0)  # eval_size 0: every problem trains
     return {(j, i, r) for j in range(steps) for i in stream.batch(j, PROMPTS) for r in range(RESPONSES)}

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
+from vcpo.trainer.data import PromptStream, addition_problems, load_problems, split_problems
+from vcpo.trainer.rewards import exact_match, resolve_reward
 from vcpo.trainer.rollouts import GeneratedBatch, Rollout, pad_rollouts
-from vcpo.trainer.task import (PromptStream, addition_problems, exact_match, load_problems, resolve_reward,
-                               split_problems)
 
 
 def test_addition_problems_are_correct_and_distinct():

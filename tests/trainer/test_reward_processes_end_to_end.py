@@ -75,7 +75,7 @@ def test_tower_answers_time_out_in_the_trainer_and_the_run_ends_clean(tmp_path):
                            "--reward-errors", "zero"], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    from vcpo.trainer.task import load_problems, split_problems
+    from vcpo.trainer.data import load_problems, split_problems
 
     rows = _read_jsonl(tmp_path / "run" / "rollouts.jsonl")
 

@@ -19,7 +19,9 @@ from support.tiny_models import save_tiny_model
 from vcpo.trainer import make_config
 from vcpo.trainer.ranks import TrainerRanks
 from vcpo.trainer.rollouts import GeneratedBatch, Rollout
-from vcpo.trainer.run import LoopState, NonFiniteError, Policy
+from vcpo.trainer.errors import NonFiniteError
+from vcpo.trainer.loop_state import LoopState
+from vcpo.trainer.policy import Policy
 from vcpo.trainer.run_folder import RunFolder, unreadable
 
 
@@ -280,7 +282,7 @@ def test_checkpoint_files_are_loaded_without_running_pickled_code(model_folder, 
         if file == "optimizer.pt":
             policy_of(model_folder, resume=True)
         else:
-            LoopState.load(str(model_folder), None)
+            LoopState.load(str(model_folder))
     assert not marker.exists()
 
 
@@ -295,7 +297,7 @@ def test_the_trainer_state_reads_back_weights_only(tmp_path):
     state.save(str(tmp_path))
     expected = random.random()
     random.seed(99)
-    loaded = LoopState.load(str(tmp_path), None)
+    loaded = LoopState.load(str(tmp_path))
     assert random.random() == expected  # the RNG state came back
     assert (loaded.step, loaded.next_batch, loaded.pending, dict(loaded.lag_hist)) == (3, 5, state.pending, {1: 2})
 

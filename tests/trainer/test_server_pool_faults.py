@@ -84,8 +84,8 @@ def test_servers_killed_mid_sync_and_mid_run_then_resume_with_another_pool(tmp_p
     assert resumed.returncode == 0, resumed.stderr[-5000:]
     assert f"resuming {folder} from step {int(checkpoint.split('-')[1])}" in resumed.stdout + resumed.stderr
 
-    from vcpo.trainer.run import BUILTIN_PROBLEMS
-    from vcpo.trainer.task import PromptStream
+    from vcpo.trainer.task import BUILTIN_PROBLEMS
+    from vcpo.trainer.data import PromptStream
 
     stream = PromptStream(BUILTIN_PROBLEMS - 16, seed=0)
     expected = {(j, i, r) for j in range(STEPS) for i in stream.batch(j, 4) for r in range(4)}
@@ -127,7 +127,7 @@ def test_sigkill_takes_the_servers_down_and_sigterm_with_a_batch_in_flight_exits
     checkpoint is written, the generation is aborted, the server stopped and its temporary folder removed, exit 0
     within 10 s; every sample consumed by the two runs is in rollouts.jsonl exactly once."""
     from vcpo.trainer.run_folder import RunFolder
-    from vcpo.trainer.task import PromptStream, load_problems, split_problems
+    from vcpo.trainer.data import PromptStream, load_problems, split_problems
 
     env = {**os.environ, "VCPO_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
     model, data = long_answers(tmp_path)

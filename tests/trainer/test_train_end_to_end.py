@@ -49,8 +49,8 @@ def read_jsonl(path):
 def expected_uids(steps):
     """(batch, prompt index, response index) of every sample a run must consume: the prompt stream over the
     built-in task's training split (all 2-digit problems but the 16 held out)."""
-    from vcpo.trainer.run import BUILTIN_PROBLEMS
-    from vcpo.trainer.task import PromptStream
+    from vcpo.trainer.task import BUILTIN_PROBLEMS
+    from vcpo.trainer.data import PromptStream
 
     stream = PromptStream(BUILTIN_PROBLEMS - 16, seed=0)
     return {(j, i, r) for j in range(steps) for i in stream.batch(j, 4) for r in range(4)}
@@ -303,7 +303,7 @@ def test_a_run_stops_after_max_skipped_steps_with_a_checkpoint_of_the_last_finit
     the run with NonFiniteError after a checkpoint whose weights are the model's own, and finite."""
     from safetensors.torch import load_file
 
-    from vcpo.trainer.run import NonFiniteError
+    from vcpo.trainer.errors import NonFiniteError
 
     with pytest.raises(NonFiniteError, match="3 steps in a row were skipped .*steps 1-3.*Checkpoint written at "
                                              "step 3 with the weights of step 0.*--resume"):
@@ -339,8 +339,8 @@ def test_sigterm_with_a_batch_in_flight_checkpoints_first_then_aborts_and_resume
     summary, _ = train_with(FakeEngine(), monkeypatch, tmp_path, resume=True)
     assert summary["steps"] == 4 and not summary["interrupted"]
     uids = [tuple(r["uid"]) for r in read_jsonl(os.path.join(folder, "rollouts.jsonl"))]
-    from vcpo.trainer.run import BUILTIN_PROBLEMS
-    from vcpo.trainer.task import PromptStream
+    from vcpo.trainer.task import BUILTIN_PROBLEMS
+    from vcpo.trainer.data import PromptStream
 
     stream = PromptStream(BUILTIN_PROBLEMS, seed=0)
     assert len(uids) == len(set(uids)) == 16

@@ -15,9 +15,10 @@ import time
 from typing import Callable, Optional, Sequence
 
 from . import lora
-from .rewards import RewardJob
-
-CORRECT_REWARD = 1.0
+from .config import make_config
+from .data import load_problems
+from .rewards import CORRECT_REWARD, RewardJob
+from .task import Problems, Task, run_problems
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -131,10 +132,7 @@ def run_eval(model: str, *, data: Optional[str] = None, reward: Optional[str] = 
     (default: eval-<data stem>.json, or eval-heldout.json, in the model folder)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from .config import make_config
     from .engine import RolloutEngine
-    from .run import Problems, Task, _problems
-    from .task import load_problems
 
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"n must be an integer >= 0 (0: greedy only), got {n!r}")
@@ -155,7 +153,7 @@ def run_eval(model: str, *, data: Optional[str] = None, reward: Optional[str] = 
     if data is not None:
         rows = load_problems(data, cfg.prompt_field, cfg.answer_field)
     else:
-        rows = _problems(cfg, log, make_model=False).eval
+        rows = run_problems(cfg, log, make_model=False).eval
         if not rows:
             raise ValueError(f"data: the run of {model!r} held out no prompts (eval_size 0): give a file")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

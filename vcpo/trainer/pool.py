@@ -29,17 +29,10 @@ import torch
 
 from .config import WEIGHT_TRANSFERS
 from .engine import LOGPROBS_MODE, Completion, unique_tensors
+from .errors import EngineUnavailable, WeightSyncError
 from .servers import KEY_ENV, http_client, refused
 
 WEIGHT_SWAPS = ("wait", "keep", "abort")
-
-
-class EngineUnavailable(RuntimeError):
-    """Every server of the pool is down."""
-
-
-class WeightSyncError(RuntimeError):
-    """A server that is up could not take new weights (say, a model of another architecture)."""
 
 
 class TransferError(RuntimeError):

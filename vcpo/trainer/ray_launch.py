@@ -20,16 +20,13 @@ import time
 from typing import Optional
 
 from .config import TrainConfig
+from .errors import ServerStartError, TrainerRankDied
 from .launch import local_server_count
-from .servers import LocalServers, ServerStartError, free_port
+from .servers import LocalServers, free_port
 
 LOCAL = ("local", "")  # --ray with no address: a Ray cluster on this machine, shut down at the end
 STOP_GRACE_S = 120.0  # after a Ctrl-C / SIGTERM: time for rank 0 to finish its step and checkpoint
 FAILED_GRACE_S = 30.0  # after rank 0 failed: time for the other ranks to take its stop message and return
-
-
-class TrainerRankDied(RuntimeError):
-    """A trainer rank's Ray actor died (killed, out of memory, its node lost)."""
 
 
 def _bundle(gpus: bool) -> dict:

@@ -248,6 +248,10 @@ class RewardResult:
     error: Optional[str] = None  # the traceback (or timeout) of a failed call, scored 0
 
 
+# a response is correct when its reward is at least this: the full score of the exact-match and math rewards
+CORRECT_REWARD = 1.0
+
+
 class RewardError(RuntimeError):
     """A reward call failed with reward_errors: raise, or the reward's workers could not start."""
 

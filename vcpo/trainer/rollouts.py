@@ -35,7 +35,7 @@ class Rollout:
     finish_reason: Optional[str]
     reward: float
     version: int  # policy version of the weights that sampled its first token
-    correct: bool = False  # reward >= 1 (the accuracy metric; evaluate.CORRECT_REWARD)
+    correct: bool = False  # reward >= 1 (the accuracy metric; rewards.CORRECT_REWARD)
     last_version: Optional[int] = None  # of its last token, when weights changed during its generation
     server: Optional[str] = None  # engine: server: the URL that generated it
     reward_extras: dict = field(default_factory=dict)  # the extra fields of a dict-valued reward

@@ -19,6 +19,7 @@ from typing import Callable, Iterator, Optional
 
 from safetensors import SafetensorError
 
+from .errors import CheckpointError
 from .plot import plot_run
 from .report import Reporters, parse_report_to
 
@@ -121,10 +122,6 @@ def unreadable(folder: str) -> Optional[str]:
 # What a failed write raises: os and file objects OSError, torch.save RuntimeError ("unexpected pos", "file write
 # failed"), safetensors SafetensorError ("I/O error").
 WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written (a full disk, a quota, a file system gone read-only)."""
 
 
 class RunFolder:

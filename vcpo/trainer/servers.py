@@ -29,6 +29,7 @@ from typing import Callable, Optional, Sequence
 
 from .config import WEIGHT_TRANSFERS
 from .engine import LOGPROBS_MODE, unsplit_prefill
+from .errors import ServerStartError
 from .gguf_models import is_gguf, model_folder
 
 POOL_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
@@ -39,10 +40,6 @@ KEY_ENV = "VLLM_API_KEY"  # the servers' key: `vcpo serve` takes it from there, 
 UNIX = "unix:"  # a server on a Unix socket: "unix:/path/of/the/socket", as vLLM writes it
 UNIX_PATH_MAX = 107  # bytes of a Unix socket's path (sun_path, less its NUL)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-class ServerStartError(RuntimeError):
-    """A local vLLM server exited or did not become healthy while starting."""
 
 
 class RequireKey:

@@ -1,220 +1,108 @@
-"""Prompts: the built-in addition task, a user's data set (JSONL, Parquet, a `datasets` folder), and how a
-prompt becomes the text and the token ids the engine is given (a chat template or none). Rewards: rewards.py.
-
-A dataset is a list of problems: a prompt (a string or chat messages), an answer (a string, or a number compared as
-a number by the exact reward) and the data row. Batch j of a run takes the prompts at
-positions [j * P, (j + 1) * P) of an endless stream made of seeded permutations of the training split, one per
-epoch, so the prompts of every batch are a function of (seed, j) alone: a resumed run sees the same stream."""
+"""A run's task: its problems (the built-in addition task, or a data set split into training and held-out
+problems), their prompts as the engine gets them, and what a rollout batch asks of the engine and how its responses
+are scored (Task). The data and the prompt format: data.py."""
 
 from __future__ import annotations
 
 import json
-import math
-import numbers
 import os
-import random
-from dataclasses import dataclass, field
-from typing import Optional, Sequence
 
-from .rewards import exact_match, resolve_reward  # noqa: F401  (their former home: imports from here still work)
+from . import tiny
+from .config import TrainConfig
+from .data import PromptFormat, PromptStream, addition_problems, load_problems, split_problems
+from .gguf_models import model_folder
+from .rewards import CORRECT_REWARD, RewardJob, RewardPool
+from .rollouts import GeneratedBatch, Rollout
 
-
-@dataclass(frozen=True)
-class Problem:
-    prompt: "str | tuple"  # the text, or a conversation: ({"role": ..., "content": ...}, ...)
-    answer: "str | int | float"  # as in the data: a string, or a finite number (never a bool)
-    row: Optional[dict] = field(default=None, compare=False)  # the whole data row (a reward's `example`)
-    index: Optional[int] = field(default=None, compare=False)  # its row number in the data
-
-    @property
-    def example(self) -> dict:
-        return self.row if self.row is not None else {"prompt": self.prompt, "answer": self.answer}
+BUILTIN_DIGITS = 2  # the built-in task: a + b with a, b < 100
+BUILTIN_PROBLEMS = 10_000  # every such problem
 
 
-def addition_problems(count: int, digits: int, seed: int) -> list[Problem]:
-    """`count` distinct problems "a+b=" -> "a+b" with 0 <= a, b < 10**digits."""
-    if count > 10 ** (2 * digits):
-        raise ValueError(f"cannot draw {count} distinct {digits}-digit addition problems")
-    rng = random.Random(seed)
-    seen: set[tuple[int, int]] = set()
-    out = []
-    while len(out) < count:
-        a, b = rng.randrange(10 ** digits), rng.randrange(10 ** digits)
-        if (a, b) not in seen:
-            seen.add((a, b))
-            out.append(Problem(f"{a}+{b}=", str(a + b)))
-    return out
+@dataclass
+class Problems:
+    train: list
+    eval: list
+    model_dir: str
 
 
-def _read_rows(path: str) -> list[tuple[dict, str]]:
-    """The rows of a .jsonl or .parquet file, or of a `datasets` folder saved with save_to_disk (a DatasetDict
-    folder: its train split, or its only one), each with where it is ("row 3 of PATH", plus "(line 5)" in a JSONL
-    file) for error messages."""
-    if os.path.isdir(path):
-        if not any(os.path.isfile(os.path.join(path, f)) for f in ("dataset_info.json", "dataset_dict.json")):
-            raise ValueError(f"data: {path!r} is a folder but not a `datasets` folder (save_to_disk)")
-        import datasets
-
-        ds = datasets.load_from_disk(path)
-        if isinstance(ds, datasets.DatasetDict):
-            if "train" not in ds and len(ds) != 1:
-                raise ValueError(f"data: the `datasets` folder {path} holds the splits {sorted(ds)}: none is "
-                                 "'train'; point data at the split's own folder")
-            ds = ds["train"] if "train" in ds else next(iter(ds.values()))
-        return [(row, f"row {i} of {path}") for i, row in enumerate(ds.to_list())]
-    if not os.path.isfile(path):
-        raise ValueError(f"data: no such file or folder {path!r}")
-    if path.endswith(".jsonl"):
-        rows = []
-        with open(path, "rb") as f:  # bytes: a decoding error then names its line
-            for line_no, raw in enumerate(f, 1):
-                try:  # a byte-order mark at the start of the file is not part of the first row
-                    line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
-                except UnicodeDecodeError as e:
-                    raise ValueError(f"data: {path}:{line_no} is not UTF-8 text (byte {raw[e.start:e.start + 1]!r} "
-                                     f"at byte {e.start + 1} of the line)") from None
-                if line.strip():
-                    try:
-                        rows.append((json.loads(line), f"row {len(rows)} of {path} (line {line_no})"))
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"data: {path}:{line_no} is not valid JSON ({e})") from None
-        return rows
-    if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
-        return [(row, f"row {i} of {path}") for i, row in enumerate(pq.read_table(path).to_pylist())]
-    raise ValueError(f"data must be a .jsonl or .parquet file or a `datasets` folder, got {path!r}")
+def run_problems(cfg: TrainConfig, log, make_model: bool = True) -> Problems:
+    """The run's (train, held-out) problems and the model folder it starts from (the built-in one is made, or
+    taken from the cache, unless make_model is False: then model_dir is None)."""
+    if cfg.builtin:
+        train, held = split_problems(addition_problems(BUILTIN_PROBLEMS, BUILTIN_DIGITS, seed=0), cfg.eval_size, 0)
+        recipe = tiny.TinyRecipe(warm_start_steps=cfg.warm_start_steps)
+        return Problems(train, held, tiny.tiny_model_dir(train, recipe, log=log) if make_model else None)
+    if cfg.data is None:
+        raise ValueError("model needs data: a .jsonl or .parquet file or a `datasets` folder with prompt and answer "
+                         "fields")
+    train, held = split_problems(load_problems(cfg.data, cfg.prompt_field, cfg.answer_field), cfg.eval_size,
+                                 cfg.seed)
+    return Problems(train, held, model_folder(cfg.model, log) if make_model else cfg.model)
 
 
-def _kind(value) -> str:
-    """A data value's kind, in the words of an error message."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return f"a boolean ({value})"
-    if isinstance(value, numbers.Number):
-        return f"a number ({value!r})"
-    if isinstance(value, dict):
-        return "a mapping"
-    if isinstance(value, (list, tuple)):
-        return "a list"
-    return f"a {type(value).__name__}"
+class Task:
+    """The prompts (token ids), answers and reward of a run: what each rollout batch and evaluation asks of the
+    engine, and how the responses are scored."""
+
+    def __init__(self, cfg: TrainConfig, problems: Problems, tokenizer, model_dir: str, model_config) -> None:
+        self.problems, self.tokenizer, self.builtin = problems, tokenizer, cfg.builtin
+        self.seed, self.groups, self.group_size = cfg.seed, cfg.prompts_per_step, cfg.responses_per_prompt
+        self.temperature = cfg.temperature  # of the rollouts and of the evaluation's samples
+        self.stop_ids = _stop_ids(tokenizer, model_dir)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.stop_ids or [0])[0]
+        # the prompts rendered and tokenized once: the engine gets these ids, and the trainer trains on them
+        fmt = PromptFormat(tokenizer, cfg.chat_template, cfg.system_prompt, cfg.builtin)
+        self.train_texts = [fmt.text(p.prompt) for p in problems.train]
+        self.train_prompts = [fmt.ids(t) for t in self.train_texts]
+        self.eval_prompts = [fmt.ids(fmt.text(p.prompt)) for p in problems.eval]
+        self.probe_ids = tokenizer.encode(self.train_texts[0], add_special_tokens=False)
+        self.max_new = cfg.resolved_max_new_tokens()
+        longest = max(map(len, self.train_prompts + self.eval_prompts))
+        self.max_len = cfg.max_model_len or min(getattr(model_config, "max_position_embeddings", 1 << 30),
+                                                longest + self.max_new)
+        if longest >= self.max_len:
+            ids, p = max(zip(self.train_prompts + self.eval_prompts, problems.train + problems.eval),
+                         key=lambda x: len(x[0]))
+            where = "the prompt" if p.index is None else f"the prompt of data row {p.index}"
+            raise ValueError(f"{where} has {len(ids)} tokens: the context (max_model_len {self.max_len}) leaves no "
+                             "room for new tokens after it; shorten the prompts or raise max_model_len")
+        self.rewards = RewardPool(cfg.reward, workers=cfg.reward_workers, timeout=cfg.reward_timeout,
+                                  errors=cfg.reward_errors)
+        self.stream = PromptStream(len(problems.train), cfg.seed)
+
+    def make_batch(self, engine, index: int, version: int) -> GeneratedBatch:
+        """Rollout batch `index`: group_size responses to each of its prompts, scored, from an engine that holds
+        `version` when it starts."""
+        idx = self.stream.batch(index, self.groups)
+        # the engine reports the log-probs after the temperature, as the trainer takes them (vcpo_config)
+        outs = engine.generate([self.train_prompts[i] for i in idx], n=self.group_size, max_tokens=self.max_new,
+                               temperature=self.temperature,
+                               seeds=[_request_seed(self.seed, index, pos) for pos in range(len(idx))],
+                               stop_token_ids=self.stop_ids)
+        samples = [(i, r, c, self.tokenizer.decode(c.token_ids, skip_special_tokens=True))
+                   for i, completions in zip(idx, outs) for r, c in enumerate(completions)]
+        scores = self.rewards.score([RewardJob((index, i, r), text, self.problems.train[i].answer,
+                                               self.problems.train[i].example) for i, r, _, text in samples])
+        rollouts = []
+        for (i, r, c, text), score in zip(samples, scores):
+            # a server reports the version of every token; the other engines hold `version` throughout
+            first, last = (c.versions[0][0], c.versions[-1][0]) if c.versions else (version, None)
+            rollouts.append(Rollout(index, i, r, self.train_prompts[i], c.token_ids, c.logprobs, c.finish_reason,
+                                    score.reward, first, score.reward >= CORRECT_REWARD,
+                                    last if last != first else None, c.server, score.extras, score.error, text,
+                                    self.train_texts[i] if r == 0 else "", self.problems.train[i].answer))
+        return GeneratedBatch(index, min(r.version for r in rollouts), rollouts)
 
 
-def _prompt(value, where: str, column: str) -> "str | tuple":
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list) and value and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in value):
-        return tuple({"role": m["role"], "content": m["content"]} for m in value)
-    what = "a list that is not chat messages (dicts with a role and a content string)" \
-        if isinstance(value, list) and value else _kind(value)
-    raise ValueError(f"data: {where}: the prompt ({column!r}) is {what}; a prompt must be a string or a list of "
-                     "chat messages")
+def _stop_ids(tokenizer, model_dir: str) -> list[int]:
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    gen = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(gen):
+        eos = json.load(open(gen)).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return sorted(ids)
 
 
-def _answer(value, where: str, column: str) -> "str | int | float":
-    if isinstance(value, str) or (isinstance(value, numbers.Real) and not isinstance(value, bool)
-                                  and math.isfinite(value)):
-        return value
-    what = f"{_kind(value)}, not finite" if isinstance(value, numbers.Real) and not isinstance(value, bool) \
-        else _kind(value)
-    raise ValueError(f"data: {where}: the answer ({column!r}) is {what}; an answer must be a string or a finite "
-                     "number")
-
-
-def load_problems(path: str, prompt_field: str, answer_field: str) -> list[Problem]:
-    """The rows of `path` (_read_rows) with a prompt (a string, or chat messages) and an answer (a string or a
-    finite number); anything else is an error naming the file, the row and the field."""
-    rows = _read_rows(path)
-    if not rows:
-        raise ValueError(f"data: {path} holds no rows")
-    problems = []
-    for i, (row, where) in enumerate(rows):
-        for name, column in (("prompt_field", prompt_field), ("answer_field", answer_field)):
-            if not isinstance(row, dict) or column not in row:
-                raise ValueError(f"data: {where} has no field {column!r} (set {name}; its fields: "
-                                 f"{sorted(row) if isinstance(row, dict) else _kind(row)})")
-        problems.append(Problem(_prompt(row[prompt_field], where, prompt_field),
-                                _answer(row[answer_field], where, answer_field), row, i))
-    return problems
-
-
-def split_problems(problems: Sequence[Problem], eval_size: int, seed: int) -> tuple[list[Problem], list[Problem]]:
-    """A seeded held-out split: (train, eval). eval_size must leave at least one training problem."""
-    if eval_size >= len(problems):
-        raise ValueError(f"eval_size ({eval_size}) must be smaller than the dataset ({len(problems)} problems)")
-    order = list(range(len(problems)))
-    random.Random(seed).shuffle(order)
-    held = set(order[:eval_size])
-    return [p for i, p in enumerate(problems) if i not in held], [problems[i] for i in order[:eval_size]]
-
-
-class PromptStream:
-    """Position k of the stream is problem perm_e[k mod n] with e = k // n and perm_e a permutation seeded
-    by (seed, e)."""
-
-    def __init__(self, num_problems: int, seed: int) -> None:
-        self.n, self.seed = num_problems, seed
-        self._perms: dict[int, list[int]] = {}
-
-    def _perm(self, epoch: int) -> list[int]:
-        if epoch not in self._perms:
-            order = list(range(self.n))
-            random.Random(f"{self.seed}/{epoch}").shuffle(order)
-            self._perms = {epoch: order}  # batches walk forward: keep one epoch
-        return self._perms[epoch]
-
-    def batch(self, index: int, size: int) -> list[int]:
-        return [self._perm(k // self.n)[k % self.n] for k in range(index * size, (index + 1) * size)]
-
-
-class PromptFormat:
-    """A data prompt -> the text the model sees -> the token ids sent to the engine (and trained on).
-
-    chat_template "auto" is the tokenizer's own template when it has one, else none; "none" uses the prompt as
-    written; anything else is the path of a Jinja template file. A template renders [system, user] messages
-    (system only with system_prompt; a conversation prompt is its own messages, after the system one) with the
-    generation prompt, and the rendered text is tokenized without
-    the tokenizer's special tokens: the template writes them (a BOS it writes is the only one). Without a
-    template the tokenizer adds its special tokens, except a BOS the prompt already starts with. The built-in
-    task's prompts get the BOS its model was warm-started with."""
-
-    def __init__(self, tokenizer, chat_template: str = "auto", system_prompt: Optional[str] = None,
-                 builtin: bool = False) -> None:
-        self.tokenizer, self.builtin, self.system_prompt = tokenizer, builtin, system_prompt
-        if builtin and chat_template not in ("auto", "none"):
-            raise ValueError("chat_template: the built-in task's tokenizer has no chat template and its model was "
-                             "trained on bare prompts; a template file needs --model")
-        if chat_template == "auto":
-            self.template = None if builtin else getattr(tokenizer, "chat_template", None)
-        elif chat_template == "none":
-            self.template = None
-        elif os.path.isfile(chat_template):
-            with open(chat_template) as f:
-                self.template = f.read()
-        else:
-            raise ValueError(f"chat_template must be auto, none or a Jinja template file, got {chat_template!r} "
-                             "(no such file)")
-        if system_prompt is not None and self.template is None:
-            raise ValueError("system_prompt needs a chat template, and this run has none (chat_template "
-                             f"{chat_template!r}" + (", the tokenizer has no template)" if chat_template == "auto"
-                                                     else ")"))
-
-    def text(self, prompt: "str | tuple") -> str:
-        if self.template is None:
-            if not isinstance(prompt, str):
-                raise ValueError("a prompt made of chat messages needs a chat template, and this run has none")
-            return prompt
-        messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt is not None else []) \
-            + (list(prompt) if isinstance(prompt, tuple) else [{"role": "user", "content": prompt}])
-        return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False,
-                                                  add_generation_prompt=True)
-
-    def ids(self, text: str) -> list[int]:
-        tok = self.tokenizer
-        if self.builtin:
-            return [tok.bos_token_id] + tok.encode(text, add_special_tokens=False)
-        own_bos = self.template is None and not (tok.bos_token and text.startswith(tok.bos_token))
-        return tok(text, add_special_tokens=own_bos)["input_ids"]
+def _request_seed(seed: int, batch: int, position: int) -> int:
+    # distinct per (run seed, batch, prompt position); vLLM adds the response index
+    return (seed * 1_000_003 + batch * 4099 + position * 64) % (2 ** 31 - 2 ** 20)

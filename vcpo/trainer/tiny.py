@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .task import Problem
+from .data import Problem
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARS = list("0123456789+-*=() ")

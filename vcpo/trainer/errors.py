@@ -1,0 +1,34 @@
+"""The errors a run ends with that are not bugs: `vcpo train` and `vcpo eval` print them as `error: ...` and exit 1
+(CLI_ERRORS). Each message says what happened and how to go on (most often: fix X, then `vcpo train --resume`)."""
+
+# defined in rewards.py: a reward worker process loads that file alone, outside this package
+from .rewards import RewardError
+
+
+class EngineUnavailable(RuntimeError):
+    """Every server of the pool is down."""
+
+
+class WeightSyncError(RuntimeError):
+    """A server that is up could not take new weights (say, a model of another architecture)."""
+
+
+class ServerStartError(RuntimeError):
+    """A local vLLM server exited or did not become healthy while starting."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (a full disk, a quota, a file system gone read-only)."""
+
+
+class NonFiniteError(RuntimeError):
+    """Training cannot go on with finite weights: too many steps in a row were skipped (the checkpoint of the last
+    finite state is written first), or the weights are not finite (nothing of them was published or saved)."""
+
+
+class TrainerRankDied(RuntimeError):
+    """A trainer rank's Ray actor died (killed, out of memory, its node lost)."""
+
+
+CLI_ERRORS = (EngineUnavailable, WeightSyncError, ServerStartError, RewardError, CheckpointError, NonFiniteError,
+              TrainerRankDied)

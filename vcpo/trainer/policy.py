@@ -1,0 +1,210 @@
+"""The policy being trained: the model, its tokenizer and AdamW on this rank's device, one `vcpo.step` at a time,
+and its weights for the engine and the checkpoints.
+
+Two choices are made once, at load, as two small strategies the Policy is composed of:
+- what is trained: the whole model (FullModel), or with `lora_rank` peft LoRA adapters on the frozen base model
+  (Adapter: AdamW over the adapter alone; the adapter is what the engine gets and what a checkpoint holds,
+  vcpo/trainer/lora.py);
+- how the ranks hold it: each the whole model, rank 0's weights broadcast at the start (Replicated), or with
+  `fsdp` sharded over the ranks (Sharded, FSDP2: the full weights gathered to rank 0 after each step, for the engine
+  and the checkpoints)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import replace
+from typing import Optional
+
+import torch
+
+import vcpo
+from vcpo.distributed import largest_abs
+from vcpo.step import RolloutBatch
+
+from . import lora
+from .config import TrainConfig
+from .errors import NonFiniteError
+from .ranks import TrainerRanks, full_optimizer_state, full_weights, load_full_optimizer_state, shard
+from .rollouts import Rollout, pad_rollouts
+
+
+class Policy:
+    def __init__(self, path: str, cfg: TrainConfig, ranks: TrainerRanks, resume: bool = False) -> None:
+        """From the model folder or checkpoint `path`; its optimizer.pt only with `resume` (a model folder's, such
+        as a Hugging Face Trainer checkpoint's, belongs to another run: its lr and moments are not this run's)."""
+        from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # no bar per checkpoint write
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.device, self.process_group, self.ranks = ranks.device, ranks.group, ranks
+        self.trained = Adapter(cfg) if cfg.lora_rank is not None else FullModel()
+        self.model = self.trained.load(path)
+        self.placement = (Sharded if cfg.fsdp else Replicated)(self.model, ranks)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA: the adapter alone
+        self.optimizer = torch.optim.AdamW(trainable, lr=cfg.resolved_lr(), weight_decay=cfg.weight_decay)
+        self.placement.use_optimizer(self.optimizer, os.path.join(path, "optimizer.pt") if resume else None)
+        self.vcpo_config = cfg.vcpo_config()
+        self.groups, self.group_size = cfg.prompts_per_step, cfg.responses_per_prompt
+        self._trainable = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        bad = self._nonfinite(dict(self.model.named_parameters()))
+        if bad is not None:
+            raise NonFiniteError(f"the weights in {path} are not finite ({bad}: a NaN or an infinity): a run cannot "
+                                 "start from them")
+
+    @property
+    def adapter(self) -> Optional[dict]:
+        """With LoRA: the adapter's config (what the engine serves beside the base model); else None."""
+        return self.trained.adapter
+
+    def engine_model(self, start: str, base: str) -> str:
+        """The model folder the engine starts from, for a run that starts from `start` (its base model `base`)."""
+        return self.trained.engine_model(start, base)
+
+    def step(self, batch: RolloutBatch) -> dict:
+        """vcpo.step on this rank's share; the proximal policy of PPO clipping is the behaviour policy."""
+        if self.vcpo_config.clip_ratio is not None:
+            batch = replace(batch, old_logp=batch.behavior_logp)
+        self.model.train()
+        metrics = vcpo.step(self.model, self.optimizer, batch, self.vcpo_config, process_group=self.process_group)
+        # Every rank checks (the ranks agree: the same weights, or the shards' result reduced) and gathers; then
+        # rank 0 raises, and stops the others. Nothing non-finite is published to the engine or saved.
+        bad = None if metrics["skipped"] else self._nonfinite(self._trainable)
+        self.placement.stepped()
+        if bad is not None and self.ranks.main:
+            raise NonFiniteError(f"the weights are not finite after a step with a finite loss, gradient and lr scale "
+                                 f"({bad}: a NaN or an infinity): nothing of them was sent to the engine or saved; "
+                                 "the newest checkpoint holds finite weights")
+        return metrics
+
+    def _nonfinite(self, tensors: dict) -> Optional[str]:
+        """The name of a tensor of `tensors` that holds a NaN or an infinity, or None. One fused reduction and one
+        host read (with FSDP, the shards' maxima are reduced over the ranks: every rank agrees); the tensor is
+        looked for only when there is one."""
+        from torch.distributed.tensor import DTensor
+
+        if bool(torch.isfinite(largest_abs(list(tensors.values())))):
+            return None
+        for name, t in tensors.items():
+            local = t.to_local() if isinstance(t, DTensor) else t
+            if not bool(torch.isfinite(local).all()):
+                return name
+        return "a tensor of another rank's shard"
+
+    def rollout_batch(self, rollouts: list[Rollout], pad_id: int) -> RolloutBatch:
+        """The generated batch as vcpo.step's padded tensors; prompt groups in order, group_size each."""
+        ids, attn, loss_mask, mu = (t.to(self.device) for t in pad_rollouts(rollouts, pad_id))
+        group = torch.arange(self.groups, device=self.device).repeat_interleave(self.group_size)
+        rewards = torch.tensor([r.reward for r in rollouts], device=self.device)
+        return RolloutBatch(ids, attn, loss_mask, mu, rewards, group_index=group, num_groups=self.groups)
+
+    def weights(self) -> dict:
+        """A CPU copy of the weights (with LoRA: of the adapter), for the engine (which reads it while training
+        goes on); rank 0's."""
+        return self.trained.weights(self.model, self.placement)
+
+    def save(self, folder: str, model_dir: str) -> None:
+        """Rank 0: a Hugging Face model folder (with LoRA: peft's adapter folder) with optimizer.pt (torch.optim's
+        layout, with or without FSDP)."""
+        optimizer = self.placement.save(folder, self.optimizer)
+        self.tokenizer.save_pretrained(folder)
+        generation = os.path.join(model_dir, "generation_config.json")
+        if os.path.isfile(generation) and not os.path.isfile(os.path.join(folder, "generation_config.json")):
+            shutil.copy(generation, folder)
+        torch.save(optimizer, os.path.join(folder, "optimizer.pt"))
+
+
+# -- what is trained ------------------------------------------------------------------------------------------------
+class FullModel:
+    """Every weight is trained; the engine gets them all."""
+
+    adapter = None
+
+    def load(self, path: str):
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+    def engine_model(self, start: str, base: str) -> str:
+        return start
+
+    def weights(self, model, placement) -> dict:
+        return placement.full_weights()
+
+
+class Adapter:
+    """`lora_rank`: peft LoRA adapters on the frozen base model; the engine serves the base model with the
+    adapter, which is all it gets after each step."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.rank, self.alpha, self.targets = cfg.lora_rank, cfg.resolved_lora_alpha(), cfg.lora_targets
+        self.adapter: Optional[dict] = None
+
+    def load(self, path: str):
+        """`path`: the base model, or an adapter checkpoint naming it."""
+        model = lora.load_policy(path, self.rank, self.alpha, self.targets)
+        self.adapter = lora.adapter_config(model)
+        return model
+
+    def engine_model(self, start: str, base: str) -> str:
+        return base
+
+    def weights(self, model, placement) -> dict:
+        return lora.adapter_state(model)
+
+
+# -- how the ranks hold it ------------------------------------------------------------------------------------------
+class Replicated:
+    """Every rank holds the whole model on its device, rank 0's weights broadcast at the start (as DDP does)."""
+
+    def __init__(self, model, ranks: TrainerRanks) -> None:
+        self.model, self.ranks = model, ranks
+        model.to(ranks.device)
+        ranks.same_weights(model)
+
+    def use_optimizer(self, optimizer: torch.optim.Optimizer, state: Optional[str]) -> None:
+        """The optimizer of the model, its state read from the file `state` (None: a fresh one)."""
+        if state is not None:
+            optimizer.load_state_dict(torch.load(state, weights_only=True, map_location=self.ranks.device))
+
+    def stepped(self) -> None:
+        """After each step, on every rank: nothing to gather."""
+
+    def full_weights(self) -> dict:
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+    def save(self, folder: str, optimizer: torch.optim.Optimizer) -> dict:
+        """Rank 0: the model into `folder`; the optimizer's state to save beside it."""
+        self.model.save_pretrained(folder, safe_serialization=True)
+        return optimizer.state_dict()
+
+
+class Sharded:
+    """`fsdp`: FSDP2 over the ranks; the full weights are gathered to rank 0 after each step, and the optimizer's
+    state for each checkpoint (in torch.optim's layout: a checkpoint resumes with or without FSDP)."""
+
+    def __init__(self, model, ranks: TrainerRanks) -> None:
+        self.model, self.ranks = model, ranks
+        # every rank read the same files; rank 0 keeps them for the engine's first weights
+        self._weights = {k: v.detach().clone() for k, v in model.state_dict().items()} if ranks.main else None
+        shard(model, ranks)
+
+    def use_optimizer(self, optimizer: torch.optim.Optimizer, state: Optional[str]) -> None:
+        """As Replicated's; besides, the other ranks take part in gathering its state for rank 0's checkpoints."""
+        self.ranks.on_save = lambda: full_optimizer_state(self.model, optimizer, self.ranks)
+        if state is not None:
+            full = torch.load(state, weights_only=True) if self.ranks.main else None
+            load_full_optimizer_state(self.model, optimizer, full, self.ranks)
+
+    def stepped(self) -> None:
+        self._weights = full_weights(self.model, self.ranks)  # every rank takes part in the gather
+
+    def full_weights(self) -> dict:
+        return self._weights
+
+    def save(self, folder: str, optimizer: torch.optim.Optimizer) -> dict:
+        self.ranks.save()  # the other ranks gather the optimizer state with this one
+        state = full_optimizer_state(self.model, optimizer, self.ranks)
+        self.model.save_pretrained(folder, state_dict=self._weights, safe_serialization=True)
+        return state
