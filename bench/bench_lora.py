@@ -73,7 +73,7 @@ def sync_cost(model, rank) -> tuple[int, float]:
     from safetensors.torch import save_file
 
     from vcpo.trainer import lora
-    from vcpo.trainer.engine import unique_tensors
+    from vcpo.trainer.engines.interface import unique_tensors
 
     with tempfile.TemporaryDirectory() as folder:
         start = time.perf_counter()

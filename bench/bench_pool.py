@@ -58,8 +58,8 @@ def sized_model(folder: str, size: str) -> tuple[str, int]:
 
 
 def start(model: str, cores: list[list[int]], log_dir: str):
-    from vcpo.trainer.pool import ServerPool
-    from vcpo.trainer.servers import LocalServers
+    from vcpo.trainer.engines.pool import ServerPool
+    from vcpo.trainer.engines.servers import LocalServers
 
     servers = LocalServers(model, len(cores), log_dir=log_dir, dtype="float32", max_model_len=64, kv_cache_gib=1,
                            seed=0, cores=cores, log=lambda s: print(s, file=sys.stderr))
@@ -81,7 +81,7 @@ def throughput(args) -> None:
     server A alone, server B alone, and A + B (each server on a core of its own); the layouts alternate over
     `rounds` rounds so that a busy moment of the machine does not fall on one layout only."""
     from vcpo.trainer import tiny
-    from vcpo.trainer.pool import ServerPool
+    from vcpo.trainer.engines.pool import ServerPool
     from vcpo.trainer.data import addition_problems
 
     cores = sorted(os.sched_getaffinity(0))

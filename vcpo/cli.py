@@ -140,8 +140,8 @@ def _train(args: argparse.Namespace, argv: list) -> int:
     else:
         cfg = make_config(load_file(config_file) if config_file else None, **settings)
     from .trainer.errors import CLI_ERRORS
-    from .trainer.ranks import launch_ranks, launched_ranks
-    from .trainer.ray_launch import train_on_ray
+    from .trainer.placement.ranks import launch_ranks, launched_ranks
+    from .trainer.placement.ray_launch import train_on_ray
 
     if cfg.validate().ray is None and cfg.trainer_ranks > 1 and launched_ranks() == 1:
         launch_ranks(cfg.trainer_ranks, argv)  # does not return: this process becomes torchrun
@@ -161,6 +161,8 @@ def _train(args: argparse.Namespace, argv: list) -> int:
 
 
 def _eval_parser(sub) -> None:
+    from .trainer.engines.interface import OWNED_MODES
+
     p = sub.add_parser("eval", help="greedy accuracy, pass@k and mean@n of a checkpoint on held-out prompts",
                        description="Evaluate a checkpoint with vLLM; the result is written as JSON beside it "
                                    "(docs/trainer.md, Evaluation).")
@@ -175,7 +177,7 @@ def _eval_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, help="default: the run's, else 512")
     p.add_argument("--prompt-field", help="the data's prompt column (default: the run's, else prompt)")
     p.add_argument("--answer-field", help="the data's answer column (default: the run's, else answer)")
-    p.add_argument("--engine", default="inprocess", choices=["inprocess", "process"],
+    p.add_argument("--engine", default="inprocess", choices=sorted(OWNED_MODES),
                    help="vLLM in this process or in its own [inprocess]")
     p.add_argument("-o", "--output", help="the JSON file (default: eval-<data stem>.json, eval-heldout.json "
                                           "without --data, in the model folder)")
@@ -222,7 +224,7 @@ def _plot(args: argparse.Namespace) -> int:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["serve"]:  # every argument is vLLM's: `vcpo serve MODEL --port 8000 ...`
-        from .trainer.servers import serve
+        from .trainer.engines.servers import serve
 
         return serve(argv[1:])
     parser = argparse.ArgumentParser(prog="vcpo", description="Variance-controlled off-policy RL for LLMs")

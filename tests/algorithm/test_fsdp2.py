@@ -92,7 +92,7 @@ def _shard(model, mesh):
 def _optimizer_round_trip(mesh, local, ranks):
     """The sharded AdamW state after one step, gathered in torch.optim's layout (what a checkpoint holds), then
     loaded into a fresh sharded optimizer and gathered again: (first gather, second gather), rank 0's."""
-    from vcpo.trainer.ranks import full_optimizer_state, load_full_optimizer_state
+    from vcpo.trainer.placement.fsdp import full_optimizer_state, load_full_optimizer_state
 
     model = _shard(_model("llama-tied"), mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)

@@ -375,7 +375,7 @@ def test_real_rollout_worker_and_vllm_server(tokenizer, tmp_path, monkeypatch):
     reloaded into the server after every step: the first step is on-policy (vLLM's log-probs are the trainer's, ESS 1),
     later ones train on samples one policy version old (ESS below 1), every micro-batch's loss equals the float64
     reference on its samples, and each step runs at the lr scale of its ESS."""
-    from vcpo.trainer.servers import LocalServers
+    from vcpo.trainer.engines.servers import LocalServers
 
     tok = copy.copy(tokenizer)  # a conversational template and its response parser, which TRL's worker needs
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"

@@ -8,8 +8,10 @@ import signal
 import threading
 import time
 
+from vcpo.trainer.engines.interface import Completion, Engine, GenerationAborted
 
-class FakeEngine:
+
+class FakeEngine(Engine):
     """`poison`: True, every response's first token gets a behaviour log-prob of -inf (every step is then
     non-finite); an int P > 0, only the responses of prompts whose sampling seed is a multiple of P (a rare bad
     sample, the same after a resume). `block_from`: the generate call with that index (= the batch, one batch at a
@@ -24,8 +26,6 @@ class FakeEngine:
         return self.poison is True or (self.poison is not False and seed % self.poison == 0)
 
     def generate(self, prompts, *, n, max_tokens, temperature, seeds=None, stop_token_ids=()):
-        from vcpo.trainer.engine import Completion, GenerationAborted
-
         call, self.calls = self.calls, self.calls + 1
         if self.block_from is not None and call >= self.block_from:
             self.signalled = time.perf_counter()

@@ -62,7 +62,7 @@ def disk_full_at_step(step: int) -> None:
 
 
 def kill_server_mid_sync(version: int, run_dir: str) -> None:
-    from vcpo.trainer.pool import ServerPool
+    from vcpo.trainer.engines.pool import ServerPool
 
     reload, take_weights = ServerPool._reload, ServerPool._take_weights
     syncing = {}

@@ -13,7 +13,7 @@ import types
 import pytest
 
 from vcpo.trainer import make_config
-from vcpo.trainer.engine import Completion
+from vcpo.trainer.engines.interface import Completion
 from vcpo.trainer.rollouts import pad_rollouts
 from vcpo.trainer.data import PromptFormat, load_problems, split_problems
 

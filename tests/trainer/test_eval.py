@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vcpo.trainer.engine import Completion
+from vcpo.trainer.engines.interface import Completion
 from vcpo.trainer.evaluate import evaluate, pass_at_k, reported_ks, run_eval
 from vcpo.trainer.rewards import RewardPool
 

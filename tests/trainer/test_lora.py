@@ -117,7 +117,7 @@ AFTER_RUN = textwrap.dedent("""
     import json, os, sys, torch
     from transformers import AutoModelForCausalLM
     from vcpo.trainer import lora, tiny
-    from vcpo.trainer.engine import RolloutEngine
+    from vcpo.trainer.engines.rollout_engine import RolloutEngine
     from vcpo.trainer.evaluate import run_eval
     from vcpo.trainer.export import export
     run, out, model_dir, sync_dir = sys.argv[1:5]

@@ -24,8 +24,8 @@ from vcpo.trainer import tiny  # noqa: E402
 def test_nccl_sync_reaches_the_server_and_its_logprobs_match(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from vcpo.trainer.pool import ServerPool
-    from vcpo.trainer.servers import LocalServers
+    from vcpo.trainer.engines.pool import ServerPool
+    from vcpo.trainer.engines.servers import LocalServers
 
     tok = tiny.build_tokenizer()
     folder = save_tiny_model(tmp_path / "model")  # the server starts from these weights

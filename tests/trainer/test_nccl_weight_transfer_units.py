@@ -61,7 +61,7 @@ def test_nccl_check_reads_the_servers_engine(message, refused):
     import httpx
 
     pytest.importorskip("vllm")
-    from vcpo.trainer.weight_transfer import NCCLTransfer
+    from vcpo.trainer.engines.weight_transfer import NCCLTransfer
 
     def answer(request):
         if request.url.path == "/init_weight_transfer_engine":
@@ -94,8 +94,8 @@ def test_nccl_watchdog_stops_a_blocked_call(monkeypatch):
     import torch
 
     pytest.importorskip("vllm")
-    from vcpo.trainer import weight_transfer
-    from vcpo.trainer.pool import TransferError
+    from vcpo.trainer.engines import weight_transfer
+    from vcpo.trainer.engines.interface import TransferError
 
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(weight_transfer, "POLL_SECONDS", 0.05)
@@ -146,7 +146,9 @@ def test_pool_handles_a_failed_nccl_send_as_a_failed_reload():
     import httpx
 
     pytest.importorskip("vllm")
-    from vcpo.trainer.pool import ServerPool, TransferError, WeightSyncError
+    from vcpo.trainer.engines.interface import TransferError
+    from vcpo.trainer.engines.pool import ServerPool
+    from vcpo.trainer.errors import WeightSyncError
 
     calls, dead = [], set()
 

@@ -25,7 +25,7 @@ SYNC_CHECK = textwrap.dedent("""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from vcpo import VCPOConfig
     from vcpo.step import RolloutBatch, _Pass
-    from vcpo.trainer.engine import RolloutEngine
+    from vcpo.trainer.engines.rollout_engine import RolloutEngine
     from vcpo.trainer.rollouts import Rollout, pad_rollouts
 
     folder = sys.argv[1]

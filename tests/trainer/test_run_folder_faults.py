@@ -17,7 +17,7 @@ import torch
 
 from support.tiny_models import save_tiny_model
 from vcpo.trainer import make_config
-from vcpo.trainer.ranks import TrainerRanks
+from vcpo.trainer.placement.ranks import TrainerRanks
 from vcpo.trainer.rollouts import GeneratedBatch, Rollout
 from vcpo.trainer.errors import NonFiniteError
 from vcpo.trainer.loop_state import LoopState
@@ -183,7 +183,7 @@ def test_a_failed_checkpoint_write_keeps_the_previous_one_and_names_it(tmp_path,
     import errno
 
     from vcpo.trainer import run_folder
-    from vcpo.trainer.run_folder import CheckpointError
+    from vcpo.trainer.errors import CheckpointError
 
     monkeypatch.setattr(run_folder, "plot_run", lambda path: None)
     run = RunFolder(str(tmp_path / "run"), resume=False)
@@ -212,7 +212,7 @@ def test_the_real_writers_failing_is_a_checkpoint_error(tmp_path, monkeypatch, w
 
     from support.file_limits import file_size_limit
     from vcpo.trainer import run_folder
-    from vcpo.trainer.run_folder import CheckpointError
+    from vcpo.trainer.errors import CheckpointError
 
     monkeypatch.setattr(run_folder, "plot_run", lambda path: None)
     run = RunFolder(str(tmp_path / "run"), resume=False)

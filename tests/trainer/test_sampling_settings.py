@@ -73,7 +73,7 @@ def check_gaps(results):
 def long_seeded_batch(generate, tok):
     """A seeded batch of more prompt tokens than an engine step takes (vLLM's CPU default: 4096 in-process, 2048 in
     a server), generated twice: (its prompt tokens, the two runs' sampled tokens equal). On vLLM's CPU build a
-    prompt split over two steps crashed the engine (vcpo.trainer.engine.unsplit_prefill)."""
+    prompt split over two steps crashed the engine (vcpo.trainer.engines.rollout_engine.unsplit_prefill)."""
     from vcpo.trainer import tiny
 
     prompts = [[tiny.BOS] + tok.encode(f"{i}+{i}=" * 12)[:59] for i in range(100)]
@@ -179,7 +179,7 @@ def test_allowed_settings_reach_the_trainers_log_probs(capsys):
 def test_a_server_must_report_the_log_probs_after_the_temperature(answer, refused):
     import httpx
 
-    from vcpo.trainer.pool import check_logprobs_mode
+    from vcpo.trainer.engines.pool import check_logprobs_mode
 
     def reply(request):
         assert request.url.path == "/server_info" and request.url.params["config_format"] == "json"
@@ -202,7 +202,7 @@ INPROCESS = textwrap.dedent("""
     sys.path.insert(0, sys.argv[2])
     from test_sampling_settings import PROMPT_TEXT, TEMPERATURES, long_seeded_batch, stale_and_new_model, trainer_gaps
     from vcpo.trainer import tiny
-    from vcpo.trainer.engine import RolloutEngine
+    from vcpo.trainer.engines.rollout_engine import RolloutEngine
     folder = sys.argv[1]
     tok, old, new = stale_and_new_model()
     old.save_pretrained(folder); tok.save_pretrained(folder)
@@ -238,8 +238,8 @@ def test_server_engine_and_trainer_agree_after_a_sync(tmp_path):
     longer than a step's token budget is sampled, the same twice."""
     pytest.importorskip("vllm")
     from vcpo.trainer import tiny
-    from vcpo.trainer.pool import ServerPool
-    from vcpo.trainer.servers import LocalServers
+    from vcpo.trainer.engines.pool import ServerPool
+    from vcpo.trainer.engines.servers import LocalServers
 
     tok, old, new = stale_and_new_model()
     old.save_pretrained(tmp_path / "model")

@@ -17,7 +17,7 @@ import threading
 import httpx
 import pytest
 
-from vcpo.trainer.servers import KEY_ENV, LocalServers, RequireKey, free_port, http_client, serve, servers_key
+from vcpo.trainer.engines.servers import KEY_ENV, LocalServers, RequireKey, free_port, http_client, serve, servers_key
 
 KEY = "k3y-0f-th1s-test"
 PROXY_VARIABLES = ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
@@ -83,7 +83,7 @@ def test_the_pool_sends_its_key_everywhere_and_no_proxy_of_the_environment(fake,
     (none went to the proxy), each with the key, and the reload names the folder absolute."""
     import torch
 
-    from vcpo.trainer.pool import ServerPool, check_reachable
+    from vcpo.trainer.engines.pool import ServerPool, check_reachable
 
     url, seen = fake
     if url.startswith("http:"):  # what httpx does by default here: through the proxy, which fails
@@ -107,7 +107,8 @@ def test_the_pool_sends_its_key_everywhere_and_no_proxy_of_the_environment(fake,
 
 def test_a_refused_key_is_an_error_naming_the_server(fake, monkeypatch):
     """At start (the reachability check, the pool's check) and during a run (a sync), with a wrong key or none."""
-    from vcpo.trainer.pool import ServerPool, WeightSyncError, check_reachable
+    from vcpo.trainer.engines.pool import ServerPool, check_reachable
+    from vcpo.trainer.errors import WeightSyncError
 
     url, _ = fake
     monkeypatch.delenv(KEY_ENV, raising=False)

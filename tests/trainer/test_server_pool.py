@@ -19,7 +19,7 @@ pytest.importorskip("vllm")
 
 from support.tiny_models import logprobs, save_tiny_model  # noqa: E402
 from vcpo.trainer import tiny  # noqa: E402
-from vcpo.trainer.servers import KEY_ENV, free_port  # noqa: E402
+from vcpo.trainer.engines.servers import KEY_ENV, free_port  # noqa: E402
 
 KEY = "test-key-" + os.urandom(8).hex()  # the servers'
 
@@ -42,7 +42,7 @@ def env(tmp_path_factory):
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     """Two vLLM servers on the built-in architecture, each on its own core when there are two."""
-    from vcpo.trainer.servers import LocalServers, split_cores
+    from vcpo.trainer.engines.servers import LocalServers, split_cores
 
     root = tmp_path_factory.mktemp("servers")
     cores = sorted(os.sched_getaffinity(0))
@@ -63,7 +63,7 @@ def test_weight_sync_reaches_every_server_and_versions_are_exact(servers, tmp_pa
     log-prob matches, to 1e-4, a recomputation with the weights of the version the server reports for it."""
     import torch
 
-    from vcpo.trainer.pool import ServerPool
+    from vcpo.trainer.engines.pool import ServerPool
 
     tok = tiny.build_tokenizer()
     models = [tiny.build_model(tiny.TinyRecipe(), len(tok)) for _ in range(2)]
@@ -115,7 +115,7 @@ def test_nccl_transfer_refuses_servers_without_its_flag(servers, tmp_path):
     fixture's), before anything needs a GPU; the check's probe leaves the servers serving."""
     import httpx
 
-    from vcpo.trainer.pool import ServerPool
+    from vcpo.trainer.engines.pool import ServerPool
 
     tok = tiny.build_tokenizer()
     pool = ServerPool(servers, weights_dir=str(tmp_path / "unused"), weight_transfer="nccl", key=KEY)
@@ -222,7 +222,7 @@ def test_bad_servers_are_named(servers, env, tmp_path):
         proc = run_cli([*COMMON, "--engine-urls", servers[0], "--output-dir", str(tmp_path / "k")], keyed)
         assert proc.returncode == 2, proc.stderr[-3000:]
         assert f"engine_urls: {servers[0]} {said} (401 Unauthorized): set {KEY_ENV} to the key" in proc.stderr
-    from vcpo.trainer.pool import ServerPool
+    from vcpo.trainer.engines.pool import ServerPool
 
     pool = ServerPool(servers, weights_dir=str(tmp_path / "unused"), key="not-the-key")
     try:  # past the reachability check (a server run with vLLM's own --api-key answers /health to anyone)

@@ -144,11 +144,11 @@ def test_plot_command_draws_runs(tmp_path, capsys):
 def test_local_servers_get_the_gpus_the_trainer_ranks_leave(monkeypatch):
     import torch
 
-    from vcpo.trainer.launch import _gpu_plan
+    from vcpo.trainer.placement.devices import gpu_plan
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    assert _gpu_plan(2, 2) == ["2", "3"] and _gpu_plan(3, 1) == ["1", "2", "3"]
-    assert _gpu_plan(3, 2) == ["0", "1", "2"]  # not enough GPUs: the servers share them, the trainer's too
+    assert gpu_plan(2, 2) == ["2", "3"] and gpu_plan(3, 1) == ["1", "2", "3"]
+    assert gpu_plan(3, 2) == ["0", "1", "2"]  # not enough GPUs: the servers share them, the trainer's too
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert _gpu_plan(2, 1) is None
+    assert gpu_plan(2, 1) is None

@@ -183,7 +183,7 @@ def test_interrupt_and_resume_give_the_same_sample_stream(runs, env, tmp_path, k
 SYNC_CHECK = textwrap.dedent("""
     import json, sys, torch
     from vcpo.trainer import tiny
-    from vcpo.trainer.engine import RolloutEngine
+    from vcpo.trainer.engines.rollout_engine import RolloutEngine
     folder, mode = sys.argv[1], sys.argv[2]
     tok = tiny.build_tokenizer()
     model = tiny.build_model(tiny.TinyRecipe(), len(tok))

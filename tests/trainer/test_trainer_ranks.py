@@ -95,7 +95,7 @@ def test_rank_settings_are_checked_before_launch(tmp_path, capsys, argv, message
 
 
 def test_a_rank_launched_among_another_count_is_refused(monkeypatch):
-    from vcpo.trainer.ranks import TrainerRanks
+    from vcpo.trainer.placement.ranks import TrainerRanks
 
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ValueError, match="trainer_ranks is 2 but this process was launched among 3"):
@@ -136,7 +136,7 @@ RANKS_SCRIPT = """
 import sys, time, torch
 import torch.distributed as dist
 from vcpo.step import RolloutBatch
-from vcpo.trainer.ranks import TrainerRanks
+from vcpo.trainer.placement.ranks import TrainerRanks
 
 ranks = TrainerRanks(2, 4, timeout_s=60)
 if sys.argv[1] == "fail":  # rank 0 fails before its stop, the other rank waits for a batch

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from vcpo.config import VCPOConfig
 
+from .engines.interface import ENGINE_MODES
 from .gguf_models import is_gguf
 from .report import parse_report_to
 
@@ -33,7 +34,6 @@ LOSS_PRESETS: dict[str, dict[str, Any]] = {
     "ppo": {"is_correction": "none", "advantage": "grpo", "lr_rule": None, "grad_norms": "uniform",
             "clip_ratio": (0.2, 0.28)},
 }
-ENGINE_MODES = ("process", "inprocess", "server")
 WEIGHT_SWAPS = ("wait", "keep", "abort")
 WEIGHT_TRANSFERS = ("storage", "nccl")  # docs/scale.md, "Weight transfer over NCCL"
 SAMPLING_REFUSED = (

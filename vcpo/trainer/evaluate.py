@@ -17,6 +17,8 @@ from typing import Callable, Optional, Sequence
 from . import lora
 from .config import make_config
 from .data import load_problems
+from .engines.interface import OWNED_MODES
+from .engines.start import owned_engine
 from .rewards import CORRECT_REWARD, RewardJob
 from .task import Problems, Task, run_problems
 
@@ -132,12 +134,10 @@ def run_eval(model: str, *, data: Optional[str] = None, reward: Optional[str] = 
     (default: eval-<data stem>.json, or eval-heldout.json, in the model folder)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from .engine import RolloutEngine
-
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"n must be an integer >= 0 (0: greedy only), got {n!r}")
-    if engine not in ("inprocess", "process"):
-        raise ValueError(f"engine must be inprocess or process, got {engine!r}")
+    if engine not in OWNED_MODES:
+        raise ValueError(f"engine must be one of {list(OWNED_MODES)}, got {engine!r}")
     model_dir, settings = resolve_model(model)
     given = {k: v for k, v in (("reward", reward), ("max_new_tokens", max_new_tokens),
                                ("prompt_field", prompt_field), ("answer_field", answer_field)) if v is not None}
@@ -165,9 +165,7 @@ def run_eval(model: str, *, data: Optional[str] = None, reward: Optional[str] = 
     vllm = None
     try:
         adapter = lora.read_adapter_config(model_dir) if served != model_dir else None
-        vllm = RolloutEngine(served, mode=engine, dtype=cfg.dtype, max_model_len=task.max_len,
-                             kv_cache_gib=cfg.kv_cache_gib, seed=cfg.seed, sync_dir=model_dir,
-                             gpu_memory_utilization=cfg.gpu_memory_utilization, lora=adapter)
+        vllm = owned_engine(cfg, served, mode=engine, max_len=task.max_len, sync_dir=model_dir, adapter=adapter)
         if adapter is not None:
             vllm.use_adapter(model_dir, 0)
         result = evaluate(vllm, task, task.eval_prompts, rows, n=n, seed=seed)

@@ -25,7 +25,8 @@ from vcpo.step import RolloutBatch
 from . import lora
 from .config import TrainConfig
 from .errors import NonFiniteError
-from .ranks import TrainerRanks, full_optimizer_state, full_weights, load_full_optimizer_state, shard
+from .placement.fsdp import full_optimizer_state, full_weights, load_full_optimizer_state, shard
+from .placement.ranks import TrainerRanks
 from .rollouts import Rollout, pad_rollouts
 
 

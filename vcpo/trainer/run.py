@@ -18,13 +18,13 @@ from typing import Callable, Optional
 from vcpo.step import skip_names
 
 from .config import TrainConfig, make_config
+from .engines.interface import Engine
+from .engines.start import preflight, start_engine
 from .errors import EngineUnavailable, NonFiniteError, RewardError, WeightSyncError
 from .evaluate import held_out
-from .launch import start_engine
 from .loop_state import Clock, Interrupt, LoopState, progress_bar
+from .placement.ranks import TrainerRanks
 from .policy import Policy
-from .pool import ServerPool, check_reachable
-from .ranks import TrainerRanks
 from .rollouts import GeneratedBatch, RolloutProducer
 from .run_folder import RunFolder
 from .rewards import reward_metrics
@@ -88,8 +88,7 @@ def _follow(cfg: TrainConfig, ranks: TrainerRanks, resume: bool) -> None:
 
 
 def _train(cfg: TrainConfig, ranks: TrainerRanks, resume: bool, log: Callable[[str], None], progress: bool) -> dict:
-    if cfg.engine == "server" and cfg.engine_urls is not None:
-        check_reachable(cfg.server_urls())  # a wrong URL fails in seconds, before the model is loaded
+    preflight(cfg)  # a wrong URL fails in seconds, before the model is loaded
     run = RunFolder(cfg.output_dir, resume=resume, report_to=cfg.report_to, log=log)
     with Interrupt() as interrupt:  # from here on a signal ends the run through the `finally`s below
         start = run.resume_checkpoint() if resume else None  # before the barrier: the other ranks take the same
@@ -117,7 +116,7 @@ def _train(cfg: TrainConfig, ranks: TrainerRanks, resume: bool, log: Callable[[s
                 next_batch=state.next_batch, end_batch=cfg.steps, pending=state.pending,
                 evaluate=(lambda version: held_out(engine, task, version, os.path.join(run.path, "evals.jsonl")))
                 if problems.eval else None,
-                eval_every=cfg.eval_every, concurrent_sync=cfg.engine == "server",
+                eval_every=cfg.eval_every, concurrent_sync=engine.concurrent_sync,
                 exact_staleness=cfg.exact_staleness)
             clock = Clock(elapsed=state.elapsed)
             interrupt.during_steps = True  # a first signal now lets the step finish, then checkpoints
@@ -222,18 +221,18 @@ def _skipped_step(skipped: list[dict], limit: int, checkpoint: Callable[..., Non
         f"`vcpo train --resume {run_dir}` (the count starts again; max_skipped_steps sets the limit)")
 
 
-def _stop_producer(producer: RolloutProducer, engine, log: Callable[[str], None]) -> None:
+def _stop_producer(producer: RolloutProducer, engine: Engine, log: Callable[[str], None]) -> None:
     """Stop the rollout threads: generation in flight is aborted (an engine's requests; a server pool's
     connections closed, which ends the requests on the servers), then up to STOP_WAIT_S for the threads to end.
     Its batch is not lost: no checkpoint holds a batch in flight, so a resume generates it again."""
     if producer.in_flight:
         log(f"stopping the rollouts: {producer.in_flight} batch(es) in flight abandoned (generated again on resume)")
-    left = producer.stop(timeout=STOP_WAIT_S, abort=getattr(engine, "abort", engine.close))
+    left = producer.stop(timeout=STOP_WAIT_S, abort=engine.abort)
     if left:
         log(f"the rollout threads {', '.join(left)} did not end within {STOP_WAIT_S:.0f} s of the abort: left behind")
 
 
-def _train_step(policy: Policy, ranks: TrainerRanks, pad_id: int, producer: RolloutProducer, engine,
+def _train_step(policy: Policy, ranks: TrainerRanks, pad_id: int, producer: RolloutProducer, engine: Engine,
                 batch: GeneratedBatch, state: LoopState, clock: Clock, waited: float, cfg: TrainConfig,
                 interrupt: Interrupt) -> dict:
     """vcpo.step on `batch` (after `waited` seconds for it; every rank on its share), the new weights published
@@ -259,7 +258,7 @@ def _train_step(policy: Policy, ranks: TrainerRanks, pad_id: int, producer: Roll
         "lr": 0.0 if m["skipped"] else cfg.resolved_lr() * m["lr_scale"],
         "wait_seconds": waited + paced, "train_seconds": now - t_train,
         "generate_seconds_total": generate_seconds, "sync_seconds_total": stats.sync_seconds,
-        "syncs": stats.syncs, **_pool_metrics(engine, batch),
+        "syncs": stats.syncs, **engine.metrics(batch.rollouts),
         "generated_tokens_per_second": generated_tokens / generate_seconds if generate_seconds > 0 else 0.0,
         "trained_tokens_per_second": float(rb.attention_mask.sum()) / max(now - t_train, 1e-9),
     }
@@ -270,19 +269,9 @@ def _train_step(policy: Policy, ranks: TrainerRanks, pad_id: int, producer: Roll
     return row
 
 
-def _pool_metrics(engine, batch: GeneratedBatch) -> dict:
-    """engine: server: servers up, requests resent and aborted so far, the batch's samples whose weights
-    changed while they were generated."""
-    if not isinstance(engine, ServerPool):
-        return {}
-    return {"servers_up": len(engine.up()), "resent_requests": engine.stats.resent,
-            "aborted_requests": engine.stats.aborted,
-            "swapped_samples": sum(r.last_version is not None for r in batch.rollouts)}
-
-
 # -- the end -------------------------------------------------------------------------------------------------------
 def _summary(run_dir: str, state: LoopState, interrupted: bool, wall: float, engine_seconds: float,
-             producer: RolloutProducer, engine, final_eval: Optional[tuple]) -> dict:
+             producer: RolloutProducer, engine: Engine, final_eval: Optional[tuple]) -> dict:
     stats = producer.stats
     summary = {"run_dir": run_dir, "steps": state.step, "interrupted": interrupted, "wall_seconds": wall,
                "engine_start_seconds": engine_seconds,
@@ -291,14 +280,7 @@ def _summary(run_dir: str, state: LoopState, interrupted: bool, wall: float, eng
                "syncs": stats.syncs, "mean_sync_seconds": stats.sync_seconds / max(stats.syncs, 1),
                "final_eval": None if final_eval is None else
                {"version": final_eval[0], "accuracy": final_eval[1], "reward": final_eval[2]}}
-    if isinstance(engine, ServerPool):
-        summary["servers"] = [{"url": s.url, "up": s.up, "down_reason": s.down_reason, "requests": s.requests,
-                               "syncs": len(s.reload_seconds),
-                               "mean_reload_seconds": sum(s.reload_seconds) / max(len(s.reload_seconds), 1)}
-                              for s in engine.servers]
-        summary.update(weights_write_seconds=engine.stats.write_seconds, resent_requests=engine.stats.resent,
-                       aborted_requests=engine.stats.aborted)
-    return summary
+    return {**summary, **engine.summary()}
 
 
 # -- helpers -------------------------------------------------------------------------------------------------------

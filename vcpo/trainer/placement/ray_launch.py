@@ -11,7 +11,6 @@ placement group removed (which also ends the server actors) and a local cluster 
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import signal
 import socket
@@ -19,25 +18,16 @@ import sys
 import time
 from typing import Optional
 
-from .config import TrainConfig
-from .errors import ServerStartError, TrainerRankDied
-from .launch import local_server_count
-from .servers import LocalServers, free_port
+from ..config import TrainConfig
+from ..engines.servers import free_port
+from ..errors import TrainerRankDied
+from ..run import train
+from .devices import local_server_count
+from .ray_servers import bundle_options, bundle_shape
 
 LOCAL = ("local", "")  # --ray with no address: a Ray cluster on this machine, shut down at the end
 STOP_GRACE_S = 120.0  # after a Ctrl-C / SIGTERM: time for rank 0 to finish its step and checkpoint
 FAILED_GRACE_S = 30.0  # after rank 0 failed: time for the other ranks to take its stop message and return
-
-
-def _bundle(gpus: bool) -> dict:
-    return {"CPU": 1, "GPU": 1} if gpus else {"CPU": 1}
-
-
-def _options(bundle: dict, pg, index: int) -> dict:
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    return {"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0),
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)}
 
 
 class _Rank:
@@ -54,79 +44,8 @@ class _Rank:
         return free_port(ray.util.get_node_ip_address())
 
     def train(self, cfg: TrainConfig, resume: bool, env: dict) -> Optional[dict]:
-        from .run import train
-
         os.environ.update(env)
         return train(cfg, resume=resume, progress=False)
-
-
-class _Server:
-    """One vLLM server (a Ray actor): a `vcpo serve` child process on this actor's node, which ends with the
-    actor (LocalServers' parent-death watch). On the trainer's node (`trainer_node`) it listens on 127.0.0.1
-    only; on another node, on that node's address (behind the servers' key)."""
-
-    def start(self, model: str, index: int, log_dir: str, settings: dict, timeout: float, trainer_node: str) -> dict:
-        import ray
-
-        gpus = [os.environ["CUDA_VISIBLE_DEVICES"]] if ray.get_gpu_ids() else None  # the bundle's GPU
-        node = ray.util.get_node_ip_address()
-        self.servers = LocalServers(model, 1, log_dir=os.path.join(log_dir, str(index)), gpus=gpus,
-                                    host="127.0.0.1" if node == trainer_node else node, **settings)
-        url = self.servers.start(timeout)[0]
-        return {"url": url, "pid": self.servers.procs[0].pid, "tmp": self.servers.tmp_dirs[0],
-                "log": os.path.join(log_dir, str(index), "server-0.log"), "node": node}
-
-    def stop(self) -> None:
-        self.servers.stop()
-
-
-class RayServers:
-    """LocalServers' interface (start -> URLs, stop) for rank 0 on Ray: server i on bundle `first + i` of the
-    placement group this actor runs in (the run's last `count` bundles)."""
-
-    def __init__(self, model: str, count: int, *, log_dir: str, log=print, cores=None, gpus=None, unix_socket=False,
-                 **settings) -> None:
-        # LocalServers' placement: here each server's bundle places it, and rank 0 reaches it over TCP (_Server)
-        del cores, gpus, unix_socket
-        self.model, self.count, self.log_dir, self.settings, self.log = model, count, log_dir, settings, log
-        self.actors: list = []
-        self.urls: list[str] = []
-
-    def start(self, timeout: float = 900.0) -> list[str]:
-        import ray
-
-        pg = ray.util.get_current_placement_group()
-        first = len(pg.bundle_specs) - self.count
-        os.makedirs(self.log_dir, exist_ok=True)
-        try:
-            self.actors = [ray.remote(_Server).options(**_options(pg.bundle_specs[first + i], pg, first + i)).remote()
-                           for i in range(self.count)]
-            here = ray.util.get_node_ip_address()  # rank 0's node: the trainer's
-            started = ray.get([a.start.remote(self.model, i, self.log_dir, self.settings, timeout, here)
-                               for i, a in enumerate(self.actors)])
-        except ray.exceptions.RayTaskError as e:
-            self.stop()
-            raise e.cause if isinstance(e.cause, ServerStartError) else e
-        except BaseException:
-            self.stop()
-            raise
-        with open(os.path.join(self.log_dir, "servers.json"), "w") as f:
-            json.dump(started, f, indent=2)
-        for i, s in enumerate(started):
-            self.log(f"server {i}: {s['url']} (Ray actor on {s['node']}, pid {s['pid']}), log {s['log']}")
-        self.urls = [s["url"] for s in started]
-        return self.urls
-
-    def stop(self, grace: float = 30.0) -> None:
-        """Each server stopped by its actor (SIGTERM, then SIGKILL of its session), then the actor killed."""
-        import ray
-
-        try:
-            ray.wait([a.stop.remote() for a in self.actors], num_returns=len(self.actors), timeout=grace)
-        finally:
-            for a in self.actors:
-                ray.kill(a)
-            self.actors = []
 
 
 def _connect(cfg: TrainConfig, bundles: int) -> None:
@@ -162,14 +81,15 @@ def train_on_ray(cfg: TrainConfig, resume: bool, log=print) -> Optional[dict]:
     pg, actors = None, []
     previous = signal.signal(signal.SIGTERM, _as_interrupt)
     try:
-        bundle = _bundle(ray.cluster_resources().get("GPU", 0) > 0)
+        bundle = bundle_shape(ray.cluster_resources().get("GPU", 0) > 0)
         pg = placement_group([bundle] * (cfg.trainer_ranks + servers), strategy="PACK")
         ready, _ = ray.wait([pg.ready()], timeout=cfg.engine_timeout)
         if not ready:
             raise ValueError(f"ray: the cluster cannot place {cfg.trainer_ranks} trainer rank(s) and {servers} "
                              f"server(s), {bundle} each, within {cfg.engine_timeout:.0f} s (engine_timeout); it has "
                              f"{ray.available_resources()} free")
-        actors = [ray.remote(_Rank).options(**_options(bundle, pg, r)).remote() for r in range(cfg.trainer_ranks)]
+        actors = [ray.remote(_Rank).options(**bundle_options(bundle, pg, r)).remote()
+                  for r in range(cfg.trainer_ranks)]
         places = ray.get([a.where.remote() for a in actors])
         for r, (ip, _, pid) in enumerate(places):
             log(f"ray: trainer rank {r}: pid {pid} on {ip}")

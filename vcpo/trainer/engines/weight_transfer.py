@@ -30,8 +30,7 @@ from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
-from .engine import unique_tensors
-from .pool import TransferError
+from .interface import TransferError, unique_tensors
 from .servers import NCCL_SERVER_ARGS, UNIX, free_port, http_client
 
 SERVER_FLAG = " ".join(NCCL_SERVER_ARGS[:1] + [f"'{NCCL_SERVER_ARGS[1]}'"])  # as typed in a shell

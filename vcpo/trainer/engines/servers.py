@@ -27,10 +27,11 @@ import threading
 import time
 from typing import Callable, Optional, Sequence
 
-from .config import WEIGHT_TRANSFERS
-from .engine import LOGPROBS_MODE, unsplit_prefill
-from .errors import ServerStartError
-from .gguf_models import is_gguf, model_folder
+from ..config import WEIGHT_TRANSFERS
+from ..errors import ServerStartError
+from ..gguf_models import is_gguf, model_folder
+from .interface import LOGPROBS_MODE
+from .rollout_engine import unsplit_prefill
 
 POOL_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 POOL_ARGS = ["--enable-scale-out", "--logprobs-mode", LOGPROBS_MODE]

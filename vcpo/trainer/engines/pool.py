@@ -1,5 +1,5 @@
-"""`engine: server`: a pool of vLLM OpenAI-compatible servers over HTTP, behind the same interface as
-RolloutEngine (generate, load_weights, close).
+"""`engine: server`: a pool of vLLM OpenAI-compatible servers over HTTP, an Engine (interface.py) as RolloutEngine
+is.
 
 - Generation: one `POST /inference/v1/generate` per prompt (token ids in; n completions out with their token
   ids, the sampled tokens' log-probs and the weight version of every token), sent to the server with the least
@@ -27,17 +27,10 @@ from typing import Callable, Optional, Sequence
 import httpx
 import torch
 
-from .config import WEIGHT_TRANSFERS
-from .engine import LOGPROBS_MODE, Completion, unique_tensors
-from .errors import EngineUnavailable, WeightSyncError
+from ..config import WEIGHT_SWAPS, WEIGHT_TRANSFERS
+from ..errors import EngineUnavailable, WeightSyncError
+from .interface import LOGPROBS_MODE, Completion, Engine, TransferError, unique_tensors
 from .servers import KEY_ENV, http_client, refused
-
-WEIGHT_SWAPS = ("wait", "keep", "abort")
-
-
-class TransferError(RuntimeError):
-    """A server's NCCL weight transfer failed and was stopped (weight_transfer.py); handled as a failed reload."""
-
 
 def check_reachable(urls: Sequence[str], setting: str = "engine_urls", timeout: float = 5.0,
                     key: Optional[str] = None) -> None:
@@ -103,7 +96,7 @@ class PoolStats:
     aborted: int = 0  # requests aborted by a sync in `abort` mode and sent again from their prompt
 
 
-class ServerPool:
+class ServerPool(Engine):
     """The rollout engine of `engine: server`. Thread-safe: the trainer's generation and sync threads call it
     at the same time (syncs run while requests are in flight)."""
 
@@ -346,6 +339,21 @@ class ServerPool:
         if response.status_code != 200:
             raise WeightSyncError(f"{s.url}{path.split('?')[0]} failed ({response.status_code}): "
                                   f"{response.text[:500]} ({self._weights_from})")
+
+    def metrics(self, rollouts: Sequence) -> dict:
+        """Servers up, requests resent and aborted so far, the samples of `rollouts` whose weights changed while
+        they were generated."""
+        return {"servers_up": len(self.up()), "resent_requests": self.stats.resent,
+                "aborted_requests": self.stats.aborted,
+                "swapped_samples": sum(r.last_version is not None for r in rollouts)}
+
+    def summary(self) -> dict:
+        servers = [{"url": s.url, "up": s.up, "down_reason": s.down_reason, "requests": s.requests,
+                    "syncs": len(s.reload_seconds),
+                    "mean_reload_seconds": sum(s.reload_seconds) / max(len(s.reload_seconds), 1)}
+                   for s in self.servers]
+        return {"servers": servers, "weights_write_seconds": self.stats.write_seconds,
+                "resent_requests": self.stats.resent, "aborted_requests": self.stats.aborted}
 
     def close(self) -> None:
         if self._loop.is_closed():

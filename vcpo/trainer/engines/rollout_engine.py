@@ -14,26 +14,12 @@ from __future__ import annotations
 import os
 import shutil
 import threading
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
-ENGINE_MODES = ("process", "inprocess")
-# the sampled tokens' log-probs under the distribution sampled from (after the temperature), not the raw logits'
-# (vLLM's default, raw_logprobs); docs/trainer.md, "Sampling settings"
-LOGPROBS_MODE = "processed_logprobs"
-
-
-@dataclass
-class Completion:
-    token_ids: list[int]
-    logprobs: list[float]  # log mu(token) under the engine's weights, one per token
-    finish_reason: Optional[str]
-    # engine: server only: (policy version, first token, end) spans of the weights that produced the tokens,
-    # and the server's URL
-    versions: Optional[list[tuple[int, int, int]]] = None
-    server: Optional[str] = None
+from ..lora import engine_max_rank, write_adapter
+from .interface import LOGPROBS_MODE, OWNED_MODES, Completion, Engine, GenerationAborted, unique_tensors
 
 
 def _set_engine_env(mode: str, kv_cache_gib: float, engine_cores: Optional[str]) -> None:
@@ -60,31 +46,15 @@ def unsplit_prefill(max_model_len: int) -> dict:
     return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(4096, max_model_len)}
 
 
-def unique_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The state dict without the second name of a shared tensor (a tied LM head): safetensors refuses shared
-    storage, and vLLM ties the head itself."""
-    seen, out = set(), {}
-    for name, t in state.items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
-        if key not in seen:
-            seen.add(key)
-            out[name] = t
-    return out
-
-
-class GenerationAborted(RuntimeError):
-    """RolloutEngine.abort() ended the generation (the run is stopping)."""
-
-
-class RolloutEngine:
-    concurrent_sync = False  # weights are loaded between batches, by the thread that generates
+class RolloutEngine(Engine):
+    """engine: process and inprocess. Weights are loaded between batches, by the thread that generates."""
 
     def __init__(self, model_path: str, *, mode: str = "process", dtype: str = "float32",
                  max_model_len: int = 2048, kv_cache_gib: float = 1.0, seed: int = 0,
                  engine_cores: Optional[str] = None, sync_dir: Optional[str] = None,
                  gpu_memory_utilization: float = 0.5, lora: Optional[dict] = None) -> None:
-        if mode not in ENGINE_MODES:
-            raise ValueError(f"engine must be one of {list(ENGINE_MODES)}, got {mode!r}")
+        if mode not in OWNED_MODES:
+            raise ValueError(f"engine must be one of {list(OWNED_MODES)}, got {mode!r}")
         if (mode == "process" or lora is not None) and sync_dir is None:
             raise ValueError("engine='process' and LoRA need a sync_dir for the weight files")
         self.mode, self.sync_dir = mode, sync_dir
@@ -92,8 +62,6 @@ class RolloutEngine:
         self._aborted = threading.Event()
         _set_engine_env(mode, kv_cache_gib, engine_cores)
         from vllm import LLM
-
-        from .lora import engine_max_rank
 
         lora_options = {} if lora is None else {"enable_lora": True, "max_loras": 1,
                                                 "max_lora_rank": engine_max_rank(lora["r"])}
@@ -140,8 +108,6 @@ class RolloutEngine:
         """Replace the engine's weights by `state`, the policy's `version` (Hugging Face parameter names, CPU
         tensors not modified while this runs); with LoRA, `state` is the adapter."""
         if self.lora is not None:
-            from .lora import write_adapter
-
             folder = os.path.join(self.sync_dir, f"adapter-v{version}")
             write_adapter(folder, state, self.lora)
             self.use_adapter(folder, version)

@@ -1,0 +1,87 @@
+"""The structure drawn from the imports (issue 26): no import circle among the product modules, counting the imports
+made inside functions as well as the module-level ones (a late import hides a circle, it does not remove it), and no
+product Python file over MAX_LINES."""
+
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("vcpo", "vcpo_kernels")
+MAX_LINES = 600
+EXTENSIONS = ("vcpo_kernels._C",)  # compiled modules (setup.py): no imports of their own
+
+
+def _modules() -> dict[str, str]:
+    """module name -> file, for every .py file of the product packages."""
+    out = {}
+    for package in PACKAGES:
+        for folder, _, files in os.walk(os.path.join(ROOT, package)):
+            for f in files:
+                if f.endswith(".py"):
+                    path = os.path.join(folder, f)
+                    parts = os.path.relpath(path, ROOT)[:-3].split(os.sep)
+                    out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return {**out, **{name: None for name in EXTENSIONS}}
+
+
+def _imports(name: str, path: str, modules: dict[str, str]) -> set[str]:
+    """The product modules `name` imports anywhere in its file (`from P import m` counts as P.m when that is a
+    module, else as P)."""
+    package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:  # `import a.b.c` of a name inside a module
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def _circle(graph: dict[str, set[str]]):
+    """One import circle as a list of modules (first = last), or None."""
+    state, stack = {}, []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == "open":
+                return stack[stack.index(n):] + [n]
+            if n not in state and (found := visit(n)):
+                return found
+        state[m] = "done"
+        stack.pop()
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_no_import_circle():
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) if path else set() for name, path in modules.items()}
+    circle = _circle(graph)
+    assert circle is None, "import circle: " + " -> ".join(circle)
+
+
+def test_the_circle_finder_finds_one():
+    assert _circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _circle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_product_file_over_max_lines():
+    long = {os.path.relpath(p, ROOT): n for p in _modules().values() if p and (n := sum(1 for _ in open(p))) > MAX_LINES}
+    assert not long, f"over {MAX_LINES} lines: {long}"
