@@ -8,7 +8,9 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("vcpo", "vcpo_kernels")
 MAX_LINES = 600
-EXTENSIONS = ("vcpo_kernels._C",)  # compiled modules (setup.py): no imports of their own
+# modules the build makes (setup.py: the compiled extension, the record of the torch it was built with); they import
+# nothing of the product
+BUILT = ("vcpo_kernels._C", "vcpo_kernels._build")
 
 
 def _modules() -> dict[str, str]:
@@ -21,7 +23,7 @@ def _modules() -> dict[str, str]:
                     path = os.path.join(folder, f)
                     parts = os.path.relpath(path, ROOT)[:-3].split(os.sep)
                     out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    return {**out, **{name: None for name in EXTENSIONS}}
+    return {**out, **{name: None for name in BUILT}}
 
 
 def _imports(name: str, path: str, modules: dict[str, str]) -> set[str]:

@@ -22,71 +22,6 @@ def _value(text: str):
     return yaml.safe_load(text)
 
 
-SETTING_HELP = {
-    "model": "a local Hugging Face causal LM folder (default: the built-in tiny Llama)",
-    "data": "a .jsonl or .parquet file or a `datasets` folder (save_to_disk) of prompts and answers (default: "
-            "the built-in addition task)",
-    "reward": "exact (exact match), math (the final answer: the last \\boxed{}, else an 'Answer:' line; a number "
-              "when the gold is one, else symbolic equivalence), math-lenient (math-verify's own extraction: the "
-              "last expression anywhere) or module:function, called as function(response, answer[, example]) -> "
-              "float or dict with 'reward', in worker processes (async: in the trainer) (default: exact)",
-    "reward_workers": "reward calls in flight at once (worker processes for a sync function)",
-    "reward_timeout": "seconds per reward call (then its worker process is killed and replaced)",
-    "reward_errors": "a reward call that raises or times out: raise (stop the run) or zero (score it 0)",
-    "prompt_field": "the data's prompt column", "answer_field": "the data's answer column",
-    "chat_template": "auto (the tokenizer's chat template, if it has one), none (prompts as written) or a Jinja "
-                     "template file",
-    "system_prompt": "a system message before every prompt (needs a chat template)",
-    "eval_size": "prompts held out for the greedy evaluation",
-    "warm_start_steps": "built-in model: supervised steps before RL (cached)",
-    "output_dir": "the run folder (default: runs/vcpo-<date>-<time>)",
-    "steps": "optimizer steps", "prompts_per_step": "prompts per step",
-    "responses_per_prompt": "responses sampled per prompt (the group size)",
-    "max_new_tokens": "default: 8 on the built-in task, else 512",
-    "max_staleness": "k: the largest policy-version lag of a consumed sample (0 = synchronous)",
-    "exact_staleness": "the trainer also waits for the engine, so every batch from k on has lag exactly k",
-    "seed": "prompt order, sampling seeds, initial RNG",
-    "temperature": "sampling temperature of the rollouts and of vcpo eval's samples; the trainer's log-probs are "
-                   "taken at it (the evaluation's greedy decoding is unchanged)",
-    "top_p": "nucleus sampling: only 1 (off); less is refused (docs/trainer.md, Sampling settings)",
-    "top_k": "top-k sampling: only -1 or 0 (off); more is refused (docs/trainer.md, Sampling settings)",
-    "loss": "update rule: vcpo, grpo, seq-tis, token-tis, mis, ppo",
-    "ess_scaling": "ESS-scaled learning rate on or off, over the preset",
-    "opob": "OPOB with exact per-sequence norms on, or the group mean, over the preset",
-    "lr": "AdamW learning rate (default: 3e-4 on the tiny model, else 1e-6)", "weight_decay": "AdamW",
-    "max_skipped_steps": "steps in a row skipped as non-finite (loss, gradient norm or lr scale) that stop the run, "
-                         "after a checkpoint",
-    "checkpoint_every": "steps between checkpoints", "keep_checkpoints": "checkpoints kept",
-    "eval_every": "versions between greedy evaluations",
-    "report_to": "metrics also to tensorboard (<run>/tensorboard) and/or wandb (<run>/wandb), comma-separated",
-    "engine": "process (vLLM in its own processes), inprocess, or server (a pool of vLLM servers, docs/scale.md)",
-    "engine_cores": "CPU: the engine's cores, e.g. 1 (default: the last)",
-    "trainer_cores": "CPU: the trainer's cores (default: the others)",
-    "kv_cache_gib": "the engine's KV cache (CPU)", "dtype": "the engine's dtype: float32, bfloat16, float16",
-    "max_model_len": "default: the longest prompt plus max_new_tokens",
-    "gpu_memory_utilization": "GPU: the engine's share of the GPU memory",
-    "engine_urls": "engine server: running vLLM servers, http://host:port,... (see vcpo serve)",
-    "engine_servers": "engine server: start this many local vLLM servers instead",
-    "weights_dir": "engine server: a folder every server can read, for new weights (default: <run>/.weights)",
-    "weight_swap": "engine server: requests in flight during a weight sync: wait (finish on the old weights), "
-                   "keep (continue on the new ones) or abort (start again)",
-    "engine_timeout": "engine server: seconds without an answer before a server is marked down",
-    "weight_transfer": "engine server: how new weights reach the servers: storage (through weights_dir) or nccl "
-                       "(from the trainer's GPU to the servers' GPUs, vLLM's NCCL engine; docs/scale.md)",
-    "weight_transfer_host": "weight transfer nccl: this machine's address the servers join the NCCL groups at "
-                            "(default: its address on the route to each server)",
-    "trainer_ranks": "data-parallel trainer ranks, launched with torchrun (prompts_per_step must be a multiple)",
-    "fsdp": "shard the model over the trainer ranks with FSDP2 (needs trainer_ranks >= 2)",
-    "ray": "place the trainer ranks and local servers on a Ray cluster: at ADDRESS (auto, HOST:PORT, "
-           "ray://HOST:PORT), or without one on a new local cluster (docs/trainer.md, Trainer ranks on Ray)",
-    "lora_rank": "train LoRA adapters of this rank (peft) instead of the whole model; the engine gets only the "
-                 "adapter (docs/trainer.md, LoRA)",
-    "lora_alpha": "LoRA scale numerator: the adapter's update is (alpha / rank) B A (default: 2 * rank)",
-    "lora_targets": "the modules that get adapters: all-linear (every linear layer but the LM head) or names, "
-                    "comma-separated, e.g. q_proj,v_proj",
-}
-
-
 def _train_parser(sub) -> argparse.ArgumentParser:
     from .trainer.config import TrainConfig
 
@@ -98,20 +33,23 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--resume", metavar="RUN", help="continue the run in folder RUN from its last checkpoint")
     p.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
     hints = typing.get_type_hints(TrainConfig)
+    groups: dict = {}
     for f in fields(TrainConfig):
-        if f.name == "vcpo":
+        if f.name == "vcpo":  # its options are the flags of the last group
             continue
-        default = "" if f.default is None else f" [{f.default}]"
+        if f.metadata["group"] not in groups:
+            groups[f.metadata["group"]] = p.add_argument_group(f.metadata["group"])
+        group, text = groups[f.metadata["group"]], f.metadata["help"]
         if hints[f.name] in (bool, typing.Optional[bool]):
-            p.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, help=SETTING_HELP[f.name])
+            group.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, help=text)
             continue
         if f.name == "ray":
-            p.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS", help=SETTING_HELP[f.name])
+            group.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS", help=text)
             continue
         kind = typing.get_args(hints[f.name])[0] if typing.get_origin(hints[f.name]) is typing.Union \
             else hints[f.name]
-        p.add_argument(_flag(f.name), type=kind if kind in (int, float) else str, metavar=f.name.upper(),
-                       help=SETTING_HELP[f.name] + default)
+        group.add_argument(_flag(f.name), type=kind if kind in (int, float) else str, metavar=f.name.upper(),
+                           help=text + ("" if f.default is None else f" [{f.default}]"))
     g = p.add_argument_group("VCPO loss options (docs/contract.md; values read as YAML, e.g. 8, true, null)")
     for f in fields(VCPOConfig):
         if f.name == "temperature":  # the sampling setting above

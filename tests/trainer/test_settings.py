@@ -152,3 +152,25 @@ def test_local_servers_get_the_gpus_the_trainer_ranks_leave(monkeypatch):
     assert gpu_plan(3, 2) == ["0", "1", "2"]  # not enough GPUs: the servers share them, the trainer's too
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert gpu_plan(2, 1) is None
+
+
+def test_every_setting_is_written_once():
+    """Each TrainConfig field carries its help, group and resumability (config.setting): the CLI's help, the
+    resumable set and the settings table of docs/trainer.md are made from them, and the table is current."""
+    import os
+    import subprocess
+    import sys
+    from dataclasses import fields
+
+    from vcpo.cli import main
+    from vcpo.trainer.config import RESUMABLE, TrainConfig
+
+    for f in fields(TrainConfig):
+        assert f.metadata["help"] and f.metadata["group"] and isinstance(f.metadata["resumable"], bool), f.name
+    assert {"steps", "engine_urls", "max_skipped_steps"} <= RESUMABLE and "lr" not in RESUMABLE
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    check = subprocess.run([sys.executable, os.path.join(root, "tools", "settings_table.py"), "--check"],
+                           capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr

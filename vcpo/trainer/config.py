@@ -44,72 +44,140 @@ SAMPLING_REFUSED = (
     "temperature < 1 to sharpen the sampling (docs/trainer.md, \"Sampling settings\")")
 
 
+# the settings' groups, in the order of `vcpo train --help` and of the settings table
+DATA, RUN, SAMPLING, UPDATE, BOOKKEEPING, ENGINE, SERVER, RANKS, LORA = (
+    "task and data", "the run", "sampling (docs/trainer.md, Sampling settings)", "the update", "bookkeeping",
+    "the engine", "engine: server (docs/scale.md)", "trainer ranks (docs/trainer.md, Trainer ranks)",
+    "LoRA (docs/trainer.md, LoRA)")
+BUILTIN_LR, MODEL_LR = 3e-4, 1e-6  # AdamW's learning rate unless `lr` is given: the built-in tiny model's, any other's
+
+
+def setting(default: Any = dataclasses.MISSING, *, group: str, help: str, resumable: bool = False,
+            factory: Any = dataclasses.MISSING) -> Any:
+    """A TrainConfig field that carries its `help` (the CLI's and the settings table's), its `group`, and whether
+    it is `resumable` (a resumed run may change it; the others define the run)."""
+    metadata = {"help": help, "group": group, "resumable": resumable}
+    if factory is not dataclasses.MISSING:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def _short(x: float) -> str:
+    """3e-4, not 0.0003."""
+    mantissa, exponent = f"{x:.0e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
 @dataclass
 class TrainConfig:
-    # what to train on; None = the embedded default (tiny Llama, addition task)
-    model: Optional[str] = None
-    data: Optional[str] = None
-    reward: Optional[str] = None  # exact (the default), a BUILTIN_REWARDS name or "module:function" (rewards.py)
-    reward_workers: int = 4  # reward calls in flight at once
-    reward_timeout: float = 30.0  # seconds per reward call
-    reward_errors: str = "raise"  # a failed reward call: raise (stop the run) or zero (score 0)
-    prompt_field: str = "prompt"
-    answer_field: str = "answer"
-    chat_template: str = "auto"  # auto (the tokenizer's, if any), none, or a Jinja file (task.PromptFormat)
-    system_prompt: Optional[str] = None  # a system message before each prompt (needs a chat template)
-    eval_size: int = 128  # prompts held out of the data for the greedy evaluation
-    warm_start_steps: int = 220  # built-in model only: supervised steps before RL (cached)
-    # the run
-    output_dir: Optional[str] = None  # default runs/vcpo-<date>-<time>
-    steps: int = 1500
-    prompts_per_step: int = 16
-    responses_per_prompt: int = 8
-    max_new_tokens: Optional[int] = None  # default 8 on the built-in task, 512 otherwise
-    max_staleness: int = 4
-    exact_staleness: bool = False  # the trainer also waits: every batch from k on has lag exactly k (rollouts.py)
-    seed: int = 0
-    # sampling (docs/trainer.md, "Sampling settings"): the trainer's log-probs are taken at the same temperature
-    temperature: float = 1.0
-    top_p: float = 1.0  # 1: off (anything less is refused: see SAMPLING_REFUSED)
-    top_k: int = -1  # -1 or 0: off (anything more is refused)
-    # the update
-    loss: str = "vcpo"
-    ess_scaling: Optional[bool] = None  # override the preset: ESS-scaled lr (sqrt rule) on or off
-    opob: Optional[bool] = None  # override the preset: OPOB with exact norms, or the group mean
-    vcpo: dict = field(default_factory=dict)  # any VCPOConfig field, applied last
-    lr: Optional[float] = None  # default 3e-4 on the tiny model, 1e-6 otherwise
-    weight_decay: float = 0.0
-    # a non-finite step is skipped (vcpo.step); this many in a row stop the run (docs/trainer.md, Interrupt and resume)
-    max_skipped_steps: int = 10
-    # bookkeeping
-    checkpoint_every: int = 50
-    keep_checkpoints: int = 2
-    eval_every: int = 20
-    report_to: str = "none"  # metrics also to: tensorboard, wandb (comma-separated; vcpo/trainer/report.py)
-    # the engine
-    engine: str = "process"
-    engine_cores: Optional[str] = None  # CPU: vLLM's worker cores, e.g. "1"; default: the last core
-    trainer_cores: Optional[str] = None  # CPU: the trainer's cores, e.g. "0"; default: all but the engine's
-    kv_cache_gib: float = 1.0
-    dtype: str = "float32"
-    max_model_len: Optional[int] = None
-    gpu_memory_utilization: float = 0.3
-    # engine: server (docs/scale.md)
-    engine_urls: Optional[str] = None  # running vLLM servers, "http://host:port,..."
-    engine_servers: Optional[int] = None  # or: start this many local servers
-    weights_dir: Optional[str] = None  # where the servers read new weights; default <run>/.weights
-    weight_swap: str = "wait"  # what requests in flight do during a weight sync: wait, keep, abort
-    engine_timeout: float = 600.0  # seconds without an answer before a server is marked down
-    weight_transfer: str = "storage"  # how new weights reach the servers: storage (weights_dir) or nccl
-    weight_transfer_host: Optional[str] = None  # nccl: this machine's address for the servers (default: per route)
-    # trainer ranks (torchrun; docs/trainer.md): data-parallel replicas, each on its share of the prompt groups
-    trainer_ranks: int = 1
-    fsdp: bool = False  # shard the model over the trainer ranks (FSDP2; docs/scale.md)
-    ray: Optional[str] = None  # place the ranks and servers on Ray: "local" (a new local cluster) or its address
-    # LoRA (docs/trainer.md, "LoRA"; vcpo/trainer/lora.py): only the adapter trains and goes to the engine
-    lora_rank: Optional[int] = None  # None: full fine-tuning
-    lora_alpha: Optional[float] = None  # default 2 * lora_rank
-    lora_targets: str = "all-linear"  # peft's every linear layer but the LM head, or module names, comma-separated
+    """The settings of `vcpo train`. Each is written once, here: its default, its help, its group and whether a
+    resumed run may change it (setting); the CLI's flags and help, RESUMABLE and the settings table of
+    docs/trainer.md (tools/settings_table.py) are made from these fields."""
+
+    model: Optional[str] = setting(None, group=DATA,
+        help="a local Hugging Face causal LM folder (default: the built-in tiny Llama)")
+    data: Optional[str] = setting(None, group=DATA,
+        help="a .jsonl or .parquet file or a `datasets` folder (save_to_disk) of prompts and answers (default: the "
+             "built-in addition task)")
+    reward: Optional[str] = setting(None, group=DATA,
+        help="exact (exact match), math (the final answer: the last \\boxed{}, else an 'Answer:' line; a number when "
+             "the gold is one, else symbolic equivalence), math-lenient (math-verify's own extraction: the last "
+             "expression anywhere) or module:function, called as function(response, answer[, example]) -> float or "
+             "dict with 'reward', in worker processes (async: in the trainer) (default: exact)")
+    reward_workers: int = setting(4, group=DATA, resumable=True,
+        help="reward calls in flight at once (worker processes for a sync function)")
+    reward_timeout: float = setting(30.0, group=DATA, resumable=True,
+        help="seconds per reward call (then its worker process is killed and replaced)")
+    reward_errors: str = setting("raise", group=DATA, resumable=True,
+        help="a reward call that raises or times out: raise (stop the run) or zero (score it 0)")
+    prompt_field: str = setting("prompt", group=DATA, help="the data's prompt column")
+    answer_field: str = setting("answer", group=DATA, help="the data's answer column")
+    chat_template: str = setting("auto", group=DATA,
+        help="auto (the tokenizer's chat template, if it has one), none (prompts as written) or a Jinja template file")
+    system_prompt: Optional[str] = setting(None, group=DATA,
+        help="a system message before every prompt (needs a chat template)")
+    eval_size: int = setting(128, group=DATA, help="prompts held out for the greedy evaluation")
+    warm_start_steps: int = setting(220, group=DATA, help="built-in model: supervised steps before RL (cached)")
+    output_dir: Optional[str] = setting(None, group=RUN, resumable=True,
+        help="the run folder (default: runs/vcpo-<date>-<time>)")
+    steps: int = setting(1500, group=RUN, resumable=True, help="optimizer steps")
+    prompts_per_step: int = setting(16, group=RUN, help="prompts per step")
+    responses_per_prompt: int = setting(8, group=RUN, help="responses sampled per prompt (the group size)")
+    max_new_tokens: Optional[int] = setting(None, group=RUN, help="default: 8 on the built-in task, else 512")
+    max_staleness: int = setting(4, group=RUN,
+        help="k: the largest policy-version lag of a consumed sample (0 = synchronous)")
+    exact_staleness: bool = setting(False, group=RUN,
+        help="the trainer also waits for the engine, so every batch from k on has lag exactly k")
+    seed: int = setting(0, group=RUN, help="prompt order, sampling seeds, initial RNG")
+    temperature: float = setting(1.0, group=SAMPLING,
+        help="sampling temperature of the rollouts and of vcpo eval's samples; the trainer's log-probs are taken at it "
+             "(the evaluation's greedy decoding is unchanged)")
+    top_p: float = setting(1.0, group=SAMPLING,
+        help="nucleus sampling: only 1 (off); less is refused (docs/trainer.md, Sampling settings)")
+    top_k: int = setting(-1, group=SAMPLING,
+        help="top-k sampling: only -1 or 0 (off); more is refused (docs/trainer.md, Sampling settings)")
+    loss: str = setting("vcpo", group=UPDATE, help=f"update rule: {', '.join(LOSS_PRESETS)}")
+    ess_scaling: Optional[bool] = setting(None, group=UPDATE,
+        help="ESS-scaled learning rate on or off, over the preset")
+    opob: Optional[bool] = setting(None, group=UPDATE,
+        help="OPOB with exact per-sequence norms on, or the group mean, over the preset")
+    vcpo: dict = setting(factory=dict, group=UPDATE,
+        help="the VCPO loss options over the preset: any VCPOConfig field (docs/contract.md), applied last; on the "
+             "command line one flag each, e.g. --is-level sequence")
+    lr: Optional[float] = setting(None, group=UPDATE,
+        help=f"AdamW learning rate (default: {_short(BUILTIN_LR)} on the tiny model, else {_short(MODEL_LR)})")
+    weight_decay: float = setting(0.0, group=UPDATE, help="AdamW")
+    max_skipped_steps: int = setting(10, group=UPDATE, resumable=True,
+        help="steps in a row skipped as non-finite (loss, gradient norm or lr scale) that stop the run, after a "
+             "checkpoint")
+    checkpoint_every: int = setting(50, group=BOOKKEEPING, resumable=True, help="steps between checkpoints")
+    keep_checkpoints: int = setting(2, group=BOOKKEEPING, resumable=True, help="checkpoints kept")
+    eval_every: int = setting(20, group=BOOKKEEPING, resumable=True, help="versions between greedy evaluations")
+    report_to: str = setting("none", group=BOOKKEEPING, resumable=True,
+        help="metrics also to tensorboard (<run>/tensorboard) and/or wandb (<run>/wandb), comma-separated")
+    engine: str = setting("process", group=ENGINE, resumable=True,
+        help="process (vLLM in its own processes), inprocess, or server (a pool of vLLM servers, docs/scale.md)")
+    engine_cores: Optional[str] = setting(None, group=ENGINE, resumable=True,
+        help="CPU: the engine's cores, e.g. 1 (default: the last)")
+    trainer_cores: Optional[str] = setting(None, group=ENGINE, resumable=True,
+        help="CPU: the trainer's cores (default: the others)")
+    kv_cache_gib: float = setting(1.0, group=ENGINE, resumable=True, help="the engine's KV cache (CPU)")
+    dtype: str = setting("float32", group=ENGINE, help="the engine's dtype: float32, bfloat16, float16")
+    max_model_len: Optional[int] = setting(None, group=ENGINE, help="default: the longest prompt plus max_new_tokens")
+    gpu_memory_utilization: float = setting(0.3, group=ENGINE, resumable=True,
+        help="GPU: the engine's share of the GPU memory")
+    engine_urls: Optional[str] = setting(None, group=SERVER, resumable=True,
+        help="engine server: running vLLM servers, http://host:port,... (see vcpo serve)")
+    engine_servers: Optional[int] = setting(None, group=SERVER, resumable=True,
+        help="engine server: start this many local vLLM servers instead")
+    weights_dir: Optional[str] = setting(None, group=SERVER, resumable=True,
+        help="engine server: a folder every server can read, for new weights (default: <run>/.weights)")
+    weight_swap: str = setting("wait", group=SERVER, resumable=True,
+        help="engine server: requests in flight during a weight sync: wait (finish on the old weights), keep (continue "
+             "on the new ones) or abort (start again)")
+    engine_timeout: float = setting(600.0, group=SERVER, resumable=True,
+        help="engine server: seconds without an answer before a server is marked down")
+    weight_transfer: str = setting("storage", group=SERVER,
+        help="engine server: how new weights reach the servers: storage (through weights_dir) or nccl (from the "
+             "trainer's GPU to the servers' GPUs, vLLM's NCCL engine; docs/scale.md)")
+    weight_transfer_host: Optional[str] = setting(None, group=SERVER,
+        help="weight transfer nccl: this machine's address the servers join the NCCL groups at (default: its address "
+             "on the route to each server)")
+    trainer_ranks: int = setting(1, group=RANKS, resumable=True,
+        help="data-parallel trainer ranks, launched with torchrun (prompts_per_step must be a multiple)")
+    fsdp: bool = setting(False, group=RANKS, resumable=True,
+        help="shard the model over the trainer ranks with FSDP2 (needs trainer_ranks >= 2)")
+    ray: Optional[str] = setting(None, group=RANKS, resumable=True,
+        help="place the trainer ranks and local servers on a Ray cluster: at ADDRESS (auto, HOST:PORT, "
+             "ray://HOST:PORT), or without one on a new local cluster (docs/trainer.md, Trainer ranks on Ray)")
+    lora_rank: Optional[int] = setting(None, group=LORA,
+        help="train LoRA adapters of this rank (peft) instead of the whole model; the engine gets only the adapter "
+             "(docs/trainer.md, LoRA)")
+    lora_alpha: Optional[float] = setting(None, group=LORA,
+        help="LoRA scale numerator: the adapter's update is (alpha / rank) B A (default: 2 * rank)")
+    lora_targets: str = setting("all-linear", group=LORA,
+        help="the modules that get adapters: all-linear (every linear layer but the LM head) or names, "
+             "comma-separated, e.g. q_proj,v_proj")
 
     @property
     def builtin(self) -> bool:
@@ -122,7 +190,7 @@ class TrainConfig:
         return self.lora_alpha if self.lora_alpha is not None else 2.0 * self.lora_rank
 
     def resolved_lr(self) -> float:
-        return self.lr if self.lr is not None else (3e-4 if self.builtin else 1e-6)
+        return self.lr if self.lr is not None else (BUILTIN_LR if self.builtin else MODEL_LR)
 
     def vcpo_config(self) -> VCPOConfig:
         options = dict(LOSS_PRESETS[self.loss])
@@ -290,6 +358,10 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+# the settings a resumed run may change; the others define the run and must stay as they were
+RESUMABLE = frozenset(f.name for f in fields(TrainConfig) if f.metadata["resumable"])
 
 
 def parse_cores(spec: str, name: str = "cores") -> list[int]:

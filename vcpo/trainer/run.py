@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 from vcpo.step import skip_names
 
-from .config import TrainConfig, make_config
+from .config import RESUMABLE, TrainConfig, make_config
 from .engines.interface import Engine
 from .engines.start import preflight, start_engine
 from .errors import EngineUnavailable, NonFiniteError, RewardError, WeightSyncError
@@ -30,11 +30,6 @@ from .run_folder import RunFolder
 from .rewards import reward_metrics
 from .task import Problems, Task, run_problems
 
-# settings a resumed run may change; the others define the run and must stay as they were
-RESUMABLE = {"steps", "output_dir", "checkpoint_every", "keep_checkpoints", "eval_every", "engine",
-             "engine_cores", "trainer_cores", "kv_cache_gib", "gpu_memory_utilization", "engine_urls",
-             "engine_servers", "weights_dir", "weight_swap", "engine_timeout", "trainer_ranks", "report_to",
-             "reward_workers", "reward_timeout", "reward_errors", "fsdp", "ray", "max_skipped_steps"}
 # the metrics of vcpo.step copied into each metrics.jsonl line
 STEP_METRICS = ("loss", "ess_ratio", "lr_scale", "is_clip_fraction", "mean_is_coef", "kl_k3", "ppo_clip_fraction",
                 "grad_norm", "grad_sq_norm_mean", "baseline_mean", "advantage_abs_mean", "skipped", "skip_reason")
