@@ -51,6 +51,14 @@ def _reentrant_checkpoint_in(root) -> bool:
     return False
 
 
+def _recomputing() -> bool:
+    """Whether this forward is a non-reentrant torch.utils.checkpoint segment recomputed in the backward: its graph
+    only refills the saved tensors of the first forward's, through which the gradients flow (and are recorded), so
+    a record of it would never receive one and would hold the segment's inputs a second time until release()."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith("_recomputation_hook.")
+
+
 class _ParameterWatch(TorchFunctionMode):
     """Flags a trainable parameter used by a differentiable op outside the forward of every module that owns it
     (e.g. `F.linear(h, embedding.weight)` in a parent's forward): the hooks would not see that use."""
@@ -232,7 +240,7 @@ class PerSequenceGradients:
     def _forward_hook(self, record: Record):
         def hook(module, args, kwargs, output):
             adopted, record.adopted = record.adopted, {}
-            if self._replaying_now or not torch.is_grad_enabled():
+            if self._replaying_now or not torch.is_grad_enabled() or _recomputing():
                 return
             kind = record.rule
             if adopted and kind != "generic":
