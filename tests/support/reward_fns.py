@@ -70,8 +70,9 @@ def runaway(response, answer, example):
     writing its pid to the file example["marker"] (if any); other answers score 1."""
     if answer == "0":
         if example.get("marker"):
-            with open(example["marker"], "w") as f:
+            with open(example["marker"] + ".tmp", "w") as f:  # renamed once whole: a reader never sees it empty
                 f.write(str(os.getpid()))
+            os.replace(example["marker"] + ".tmp", example["marker"])
         return float(9 ** (9 ** 9) > 0)
     return 1.0
 
