@@ -1,4 +1,4 @@
-"""The two tiers (README, "Tests"). `pytest tests` runs the fast tier; `pytest tests --full` runs every test.
+"""The two tiers (docs/development.md, "Tests"). `pytest tests` runs the fast tier; `pytest tests --full` runs every test.
 A test is `slow` when it starts a vLLM engine or server, spawns processes or ranks (mp.spawn, torchrun, accelerate,
 Ray), loads a real pretrained model, runs a learning run, or takes more than FAST_LIMIT_SECONDS by itself on the
 2-core machine (a cold torch.compile, a long run under the Triton interpreter); `gpu` when it needs a GPU (it skips

@@ -87,3 +87,22 @@ def test_the_circle_finder_finds_one():
 def test_no_product_file_over_max_lines():
     long = {os.path.relpath(p, ROOT): n for p in _modules().values() if p and (n := sum(1 for _ in open(p))) > MAX_LINES}
     assert not long, f"over {MAX_LINES} lines: {long}"
+
+
+def _layer(module: str) -> int:
+    """0 the kernels, 1 the algorithm, 2 the trainer and the CLI (docs/architecture.md): imports go to a layer at or
+    below the importer's."""
+    if module.startswith("vcpo_kernels"):
+        return 0
+    return 2 if module.startswith("vcpo.trainer") or module == "vcpo.cli" else 1
+
+
+def test_imports_go_down_the_layers():
+    modules = _modules()
+    upward = sorted((name, target) for name, path in modules.items() if path
+                    for target in _imports(name, path, modules) if _layer(target) > _layer(name))
+    assert not upward, f"imports from a lower layer to a higher one: {upward}"
+
+
+def test_the_layer_check_sees_an_upward_import():
+    assert _layer("vcpo_kernels.ops") < _layer("vcpo.step") < _layer("vcpo.trainer.run") == _layer("vcpo.cli")

@@ -2,7 +2,7 @@
 
 Each op takes `backend="auto" | "torch" | "cpu" | "triton" | "cuda"`; "torch" is the float64-capable
 reference, "cpu" the compiled C++ kernel, "triton" the Triton kernels (CUDA tensors, or CPU tensors under the
-interpreter), "auto" the compiled kernel on CPU tensors and the reference elsewhere (see README)."""
+interpreter), "auto" the compiled kernel on CPU tensors and the reference elsewhere (docs/api.md)."""
 
 from .backends import BACKENDS, available_backends
 from .ops import (

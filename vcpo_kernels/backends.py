@@ -1,5 +1,5 @@
 """Backend selection. "auto" picks the compiled C++ op for CPU tensors and the reference elsewhere: the Triton
-kernels are chosen for CUDA tensors only once they have been measured on a GPU (README)."""
+kernels are chosen for CUDA tensors only once they have been measured on a GPU (docs/api.md)."""
 
 from __future__ import annotations
 
