@@ -33,14 +33,14 @@ GRPO = dict(advantage="grpo", grad_norms="uniform", lr_rule=None, is_correction=
 CASES = {
     "grpo": (GRPO, None, False),
     "vcpo": ({}, None, False),
-    "grpo m=8": (GRPO, 8, False),
-    "vcpo m=8": ({}, 8, False),
     "grpo m=4": (GRPO, 4, False),
     "vcpo m=4": ({}, 4, False),
-    "grpo m=4 ckpt": (GRPO, 4, True),
-    "vcpo m=4 ckpt": ({}, 4, True),
     "grpo fused": ({**GRPO, "fused_lm_head": True}, None, False),
     "vcpo fused": ({"fused_lm_head": True}, None, False),
+    "grpo m=4 ckpt": (GRPO, 4, True),
+    "vcpo m=4 ckpt": ({}, 4, True),
+    "grpo m=8": (GRPO, 8, False),
+    "vcpo m=8": ({}, 8, False),
 }
 
 
@@ -116,6 +116,8 @@ def main() -> None:
             if out.returncode != 0:
                 sys.exit(f"case {case} failed:\n{out.stderr[-3000:]}")
             samples[case].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(f"  {samples[case][-1]['seconds']:.2f} s, {samples[case][-1]['peak_mib']:.0f} MiB", file=sys.stderr,
+                  flush=True)  # a run cut short keeps its samples in the log
     end, wall = _cpu_seconds(), time.perf_counter() - wall
     foreign = (end[0] - start[0]) - (end[1] - start[1]) if start and end else float("nan")
     table = {case: dict(s=statistics.median(x["seconds"] for x in runs),
