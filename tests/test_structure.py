@@ -106,3 +106,17 @@ def test_imports_go_down_the_layers():
 
 def test_the_layer_check_sees_an_upward_import():
     assert _layer("vcpo_kernels.ops") < _layer("vcpo.step") < _layer("vcpo.trainer.run") == _layer("vcpo.cli")
+
+
+def test_every_package_is_installed():
+    """pyproject.toml lists the packages a non-editable install copies: a package missing there imports in this
+    checkout (editable) and fails in a wheel (vcpo.grad_norms was missing for a while)."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10 (pyproject installs tomli there)
+        import tomli as tomllib
+
+    listed = set(tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["tool"]["setuptools"]["packages"])
+    packages = {name for name, path in _modules().items() if path and path.endswith("__init__.py")}
+    assert packages == listed, f"not in pyproject.toml: {sorted(packages - listed)}; not packages: " \
+                               f"{sorted(listed - packages)}"
