@@ -55,7 +55,8 @@ def _recomputing() -> bool:
     """Whether this forward is a non-reentrant torch.utils.checkpoint segment recomputed in the backward: its graph
     only refills the saved tensors of the first forward's, through which the gradients flow (and are recorded), so
     a record of it would never receive one and would hold the segment's inputs a second time until release()."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)  # private: absent, record as before
+    hooks = top(True) if top is not None else None
     return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith("_recomputation_hook.")
 
 
