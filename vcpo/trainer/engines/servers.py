@@ -118,7 +118,7 @@ def _end_with_parent(grace: float = 10.0) -> None:
     even by SIGKILL: Linux sends it SIGTERM (PR_SET_PDEATHSIG), vLLM stops its engine processes, and the
     temporary folder (VCPO_SERVER_TMPDIR) is removed on the way out. vLLM's HTTP server can then wait forever
     for requests whose engine is gone, so a watcher thread removes the folder and SIGKILLs the server's session
-    `grace` seconds after the trainer is gone: nothing outlives the run."""
+    once its engine is down, at most `grace` seconds after the trainer is gone: nothing outlives the run."""
     parent = os.environ.pop(PARENT_ENV, None)
     if parent is None:
         return
@@ -135,12 +135,37 @@ def _end_with_parent(grace: float = 10.0) -> None:
     def watch() -> None:
         while os.getppid() == parent_pid:
             time.sleep(1.0)
-        time.sleep(grace)  # vLLM's own shutdown, started by the SIGTERM, had its chance
+        engines, deadline = engine_processes(os.getpgrp()), time.perf_counter() + grace
+        while time.perf_counter() < deadline and not engine_down(os.getpgrp(), engines):
+            time.sleep(0.05)  # vLLM's own shutdown, started by the SIGTERM, has its chance
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         os.killpg(os.getpgrp(), signal.SIGKILL)  # the server and its engine processes (one session)
 
     threading.Thread(target=watch, name="vcpo-parent-watch", daemon=True).start()
+
+
+def engine_processes(pgid: int) -> set[int]:
+    """The pids of vLLM's engine processes (vLLM titles them `VLLM::EngineCore`, `VLLM::Worker...`) in process
+    group `pgid`; empty where /proc cannot tell (then a server's stop waits its whole grace)."""
+    pids = set()
+    try:
+        entries = [int(e) for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return pids
+    for pid in entries:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f.read(6) == b"VLLM::" and os.getpgid(pid) == pgid:
+                    pids.add(pid)
+        except OSError:  # ended meanwhile
+            pass
+    return pids
+
+
+def engine_down(pgid: int, engines: set[int]) -> bool:
+    """Whether the engine processes `engines` of process group `pgid` have all ended (False when none was seen)."""
+    return bool(engines) and not engines & engine_processes(pgid)
 
 
 def http_client(url: str, key: Optional[str] = None, *, sync: bool = False, timeout=5.0, limits=None):
@@ -321,19 +346,19 @@ class LocalServers:
             return ""
 
     def stop(self, grace: float = 5.0) -> None:
-        """SIGTERM each server (vLLM then stops its engine processes), SIGKILL its process group after `grace`
-        seconds, and remove its temporary folder. vLLM's engine is down within about a second of the SIGTERM; its
-        HTTP server then waits for the background tasks of the requests the pool aborted, with no end (seen with
-        vLLM 0.32), so the grace is short: a scheduler's SIGKILL follows its SIGTERM within about 30 s."""
+        """SIGTERM each server (vLLM then stops its engine processes), SIGKILL its process group once its engine
+        processes are gone (or after `grace` seconds), and remove its temporary folder. vLLM's engine is down within
+        about a second of the SIGTERM; its HTTP server then waits for the background tasks of the requests the pool
+        aborted, with no end (seen with vLLM 0.32), so waiting for the server itself would always take the whole
+        grace: a scheduler's SIGKILL follows its SIGTERM within about 30 s."""
+        engines = {proc.pid: engine_processes(proc.pid) for proc in self.procs}
         for proc in self.procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         deadline = time.perf_counter() + grace
         for proc in self.procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.perf_counter()))
-            except subprocess.TimeoutExpired:
-                pass
+            while proc.poll() is None and time.perf_counter() < deadline and not engine_down(proc.pid, engines[proc.pid]):
+                time.sleep(0.05)
             try:  # the server's session: whatever it left running (pgid = its pid)
                 os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
