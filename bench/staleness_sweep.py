@@ -7,6 +7,7 @@ plus the control a sceptic asks for first (each non-VCPO rule at VCPO's median e
     .venv/bin/python bench/staleness_sweep.py --out runs/sweep --report-only
     .venv/bin/python bench/staleness_sweep.py --out runs/sweep-exact ... -- --exact-staleness   # every rule at lag k
     .venv/bin/python bench/staleness_sweep.py --rules vcpo,vcpo-opob-truncated,vcpo-opob-median ...  # OPOB variants
+    .venv/bin/python bench/staleness_sweep.py --rules vcpo,vcpo-ess-corrected,vcpo-c4 --ks 16 ...  # ablations
     .venv/bin/python bench/staleness_sweep.py --out runs/sweep5 --rules vcpo,seq-tis,grpo,vcpo-no-opob \
         --ks 0,4,16,64 --seeds 0,1,2,3,4 --control-ks 4,16,64 --steps 400 -- --exact-staleness   # bench/results/sweep
 
@@ -54,8 +55,16 @@ OPOB_VARIANTS = {
     "vcpo-opob-truncated": ["--loss", "vcpo", "--opob-truncated-weights", "true"],
     "vcpo-opob-median": ["--loss", "vcpo", "--opob-aggregation", "median"],
 }
+# VCPO with one part of its lr rule or its truncation changed (the k = 16 ablation in bench/RESULTS.md): on request
+ABLATIONS = {
+    "vcpo-ess-corrected": ["--loss", "vcpo", "--ess-on-corrected", "true"],  # the ESS of the truncated weights
+    "vcpo-ess-base-0.5": ["--loss", "vcpo", "--ess-base-ratio", "0.5"],  # full lr down to an ESS ratio of 0.5
+    "vcpo-lr-linear": ["--loss", "vcpo", "--lr-rule", "linear"],
+    "vcpo-c4": ["--loss", "vcpo", "--is-threshold", "4"],  # truncation at C = 4 instead of 8
+}
 GRID = list(RULES)
 RULES.update(OPOB_VARIANTS)
+RULES.update(ABLATIONS)
 CONTROL = "@vcpo-lr"  # suffix of a control run: the rule at lr x VCPO's median lr scale (same k, same seed)
 CONTROLLED = ("seq-tis", "grpo", "token-tis", "mis", "ppo")
 SUMMARIES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "sweep")
@@ -417,7 +426,7 @@ def main() -> None:
     p.add_argument("--summaries", default=SUMMARIES,
                    help="one JSON summary per finished run, kept across sweeps (default: bench/results/sweep)")
     p.add_argument("--rules", type=names, default=GRID, help=f"default: {','.join(GRID)}; also: "
-                   f"{','.join(OPOB_VARIANTS)}")
+                   f"{','.join([*OPOB_VARIANTS, *ABLATIONS])}")
     p.add_argument("--ks", type=ints, default=[0, 4, 16, 32, 64])
     p.add_argument("--seeds", type=ints, default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=300)

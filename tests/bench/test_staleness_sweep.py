@@ -269,5 +269,9 @@ def test_every_rule_is_the_loss_it_names(monkeypatch):
     assert changed["vcpo-opob-median"] == {"opob_aggregation": "median"}
     assert changed["vcpo-no-ess"] == {"lr_rule": None}
     assert changed["vcpo-no-opob"] == {"advantage": "grpo", "grad_norms": "uniform"}
-    assert base["advantage"] == "opob" and base["lr_rule"] == "sqrt"
-    assert sweep.GRID == [r for r in sweep.RULES if r not in sweep.OPOB_VARIANTS]
+    assert changed["vcpo-ess-corrected"] == {"ess_on_corrected": True}
+    assert changed["vcpo-ess-base-0.5"] == {"ess_base_ratio": 0.5}
+    assert changed["vcpo-lr-linear"] == {"lr_rule": "linear"}
+    assert changed["vcpo-c4"] == {"is_threshold": 4.0}
+    assert base["advantage"] == "opob" and base["lr_rule"] == "sqrt" and base["is_threshold"] == 8.0
+    assert sweep.GRID == [r for r in sweep.RULES if r not in {**sweep.OPOB_VARIANTS, **sweep.ABLATIONS}]
