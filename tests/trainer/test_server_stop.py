@@ -23,11 +23,25 @@ while True:
 """
 
 
-def stand_in_server(title):
-    """(leader Popen, its engine's pid): the leader in its own session, as LocalServers starts a server."""
-    proc = subprocess.Popen([sys.executable, "-c", LEADER, title], stdout=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    return proc, int(proc.stdout.readline())
+@pytest.fixture
+def stand_in_server():
+    """start(title) -> (leader Popen, its engine's pid): the leader in its own session, as LocalServers starts a
+    server; whatever a failed test leaves is killed."""
+    started = []
+
+    def start(title):
+        proc = subprocess.Popen([sys.executable, "-c", LEADER, title], stdout=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        started.append(proc)
+        return proc, int(proc.stdout.readline())
+
+    yield start
+    for proc in started:
+        try:
+            os.killpg(proc.pid, 9)
+        except ProcessLookupError:
+            pass
+        proc.wait()
 
 
 def alive(pid):
@@ -47,28 +61,23 @@ def servers_with(proc, tmp_path):
     return servers, tmp
 
 
-def test_engine_processes_are_the_vllm_titled_ones_of_the_group():
+def test_engine_processes_are_the_vllm_titled_ones_of_the_group(stand_in_server):
     proc, engine = stand_in_server("VLLM::EngineCore")
     other, not_engine = stand_in_server("python-worker")
-    try:
-        deadline = time.time() + 10
-        while engine not in engine_processes(proc.pid) and time.time() < deadline:
-            time.sleep(0.05)  # until bash has exec'ed
-        assert engine_processes(proc.pid) == {engine}
-        assert engine_processes(other.pid) == set() and not_engine not in engine_processes(proc.pid)
-        assert not engine_down(proc.pid, {engine}) and not engine_down(other.pid, set())
-        os.kill(engine, 15)
-        deadline = time.time() + 10
-        while not engine_down(proc.pid, {engine}) and time.time() < deadline:
-            time.sleep(0.05)
-        assert engine_down(proc.pid, {engine})  # a zombie (its parent has not reaped it) counts as ended
-    finally:
-        for p in (proc, other):
-            os.killpg(p.pid, 9)
-            p.wait()
+    deadline = time.time() + 10
+    while engine not in engine_processes(proc.pid) and time.time() < deadline:
+        time.sleep(0.05)  # until bash has exec'ed
+    assert engine_processes(proc.pid) == {engine}
+    assert engine_processes(other.pid) == set() and not_engine not in engine_processes(proc.pid)
+    assert not engine_down(proc.pid, {engine}) and not engine_down(other.pid, set())
+    os.kill(engine, 15)
+    deadline = time.time() + 10
+    while not engine_down(proc.pid, {engine}) and time.time() < deadline:
+        time.sleep(0.05)
+    assert engine_down(proc.pid, {engine})  # a zombie (its parent has not reaped it) counts as ended
 
 
-def test_stop_ends_once_the_engine_is_down_not_after_the_grace(tmp_path):
+def test_stop_ends_once_the_engine_is_down_not_after_the_grace(stand_in_server, tmp_path):
     proc, engine = stand_in_server("VLLM::EngineCore")
     deadline = time.time() + 10
     while engine not in engine_processes(proc.pid) and time.time() < deadline:
@@ -80,7 +89,7 @@ def test_stop_ends_once_the_engine_is_down_not_after_the_grace(tmp_path):
     assert proc.returncode == -9 and not alive(engine) and not tmp.exists() and servers.procs == []
 
 
-def test_stop_waits_the_grace_when_it_sees_no_engine_process(tmp_path):
+def test_stop_waits_the_grace_when_it_sees_no_engine_process(stand_in_server, tmp_path):
     proc, engine = stand_in_server("python-worker")  # an engine vLLM did not title: nothing tells it is down
     servers, tmp = servers_with(proc, tmp_path)
     start = time.perf_counter()
