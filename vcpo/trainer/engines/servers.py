@@ -135,9 +135,8 @@ def _end_with_parent(grace: float = 10.0) -> None:
     def watch() -> None:
         while os.getppid() == parent_pid:
             time.sleep(1.0)
-        engines, deadline = engine_processes(os.getpgrp()), time.perf_counter() + grace
-        while time.perf_counter() < deadline and not engine_down(os.getpgrp(), engines):
-            time.sleep(0.05)  # vLLM's own shutdown, started by the SIGTERM, has its chance
+        # vLLM's own shutdown, started by the SIGTERM, has its chance
+        wait_for_engine(os.getpgrp(), engine_processes(os.getpgrp()), time.perf_counter() + grace)
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         os.killpg(os.getpgrp(), signal.SIGKILL)  # the server and its engine processes (one session)
@@ -166,6 +165,14 @@ def engine_processes(pgid: int) -> set[int]:
 def engine_down(pgid: int, engines: set[int]) -> bool:
     """Whether the engine processes `engines` of process group `pgid` have all ended (False when none was seen)."""
     return bool(engines) and not engines & engine_processes(pgid)
+
+
+def wait_for_engine(pgid: int, engines: set[int], deadline: float,
+                    running: Callable[[], bool] = lambda: True) -> None:
+    """Until the engine processes `engines` of process group `pgid` have ended, `running()` is False, or
+    time.perf_counter() reaches `deadline`."""
+    while running() and time.perf_counter() < deadline and not engine_down(pgid, engines):
+        time.sleep(0.05)
 
 
 def http_client(url: str, key: Optional[str] = None, *, sync: bool = False, timeout=5.0, limits=None):
@@ -357,8 +364,7 @@ class LocalServers:
                 proc.send_signal(signal.SIGTERM)
         deadline = time.perf_counter() + grace
         for proc in self.procs:
-            while proc.poll() is None and time.perf_counter() < deadline and not engine_down(proc.pid, engines[proc.pid]):
-                time.sleep(0.05)
+            wait_for_engine(proc.pid, engines[proc.pid], deadline, running=lambda: proc.poll() is None)
             try:  # the server's session: whatever it left running (pgid = its pid)
                 os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
