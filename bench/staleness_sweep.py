@@ -193,8 +193,8 @@ def finished(folder: str, steps: int) -> bool:
 
 
 def summarize(folder: str, run: Run, args, commit: str) -> dict:
-    """The facts of a finished run that the report needs, its curves (per step: reward, ESS ratio, lr scale; the
-    held-out evaluations as [version, wall seconds, accuracy]) and what ran it."""
+    """The facts of a finished run that the report needs, its curves (per step: reward, ESS ratio, lr scale, wall
+    seconds at its end; the held-out evaluations as [version, wall seconds when logged, accuracy]) and what ran it."""
     rows = read_metrics(folder)
     summary = json.load(open(os.path.join(folder, "summary.json")))
     config = json.load(open(os.path.join(folder, "config.json")))
@@ -214,7 +214,7 @@ def summarize(folder: str, run: Run, args, commit: str) -> dict:
             "mean_lag": statistics.fmean(r["lag"] for r in rows), "lr": config["lr"], "base_lr": args.lr,
             "wall_s": summary["wall_seconds"], "commit": commit, "train_args": args.train_args,
             "evals": evals, "rewards": [round(v, 5) for v in rewards], "ess": [round(v, 5) for v in ess],
-            "lr_scale": [round(r["lr_scale"], 5) for r in rows]}
+            "lr_scale": [round(r["lr_scale"], 5) for r in rows], "wall": [round(r["wall_seconds"], 2) for r in rows]}
 
 
 def write_summary(args, run: Run, summary: dict) -> None:
@@ -244,8 +244,8 @@ def train_args(run: Run, args) -> list[str]:
             str(args.steps), "--lr", repr(lr), "--output-dir", folder, "--no-progress", *args.train_args]
 
 
-def sweep(args) -> None:
-    runs = plan(args.rules, args.ks, args.seeds, args.control_ks)
+def sweep(args, runs: list[Run]) -> None:
+    """Runs `runs` in order, one at a time, each left with its summary (see the module's doc)."""
     os.makedirs(args.out, exist_ok=True)
     commit = code_commit()
     t0, durations = time.monotonic(), []
@@ -441,7 +441,7 @@ def main() -> None:
     if args.control_ks is None:
         args.control_ks = [k for k in args.ks if k > 0]
     if not args.report_only:
-        sweep(args)
+        sweep(args, plan(args.rules, args.ks, args.seeds, args.control_ks))
     report(args)
 
 

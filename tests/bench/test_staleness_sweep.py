@@ -104,12 +104,16 @@ def fake_train(calls, steps, lr_scale=0.5):
         with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
             for t in range(steps):
                 f.write(json.dumps({"reward": t / steps, "ess_ratio": 0.9, "lag": t % 3,
-                                    "lr_scale": lr_scale + 0.01 * (t % 3)}) + "\n")
+                                    "lr_scale": lr_scale + 0.01 * (t % 3), "wall_seconds": 0.05 * (t + 1)}) + "\n")
         with open(os.path.join(folder, "summary.json"), "w") as f:
             json.dump({"interrupted": False, "steps": steps, "wall_seconds": 1.0,
                        "final_eval": {"version": steps, "accuracy": 0.5 + 0.1 * ("vcpo" in folder)}}, f)
         return 0
     return call
+
+
+def run_sweep(args):
+    sweep.sweep(args, sweep.plan(args.rules, args.ks, args.seeds, args.control_ks))
 
 
 def args_for(out, **kw):
@@ -122,7 +126,7 @@ def test_sweep_skips_finished_runs_resumes_started_ones_and_sets_the_control_lr(
     calls = []
     monkeypatch.setattr(sweep.subprocess, "call", fake_train(calls, steps=20))
     args = args_for(tmp_path)
-    sweep.sweep(args)
+    run_sweep(args)
     assert len(calls) == 2 * (2 * 2 + 1)  # controls at k = 4 only
     for argv in calls:
         assert argv[-2:] == ["--eval-size", "100"] and "--no-progress" in argv
@@ -134,19 +138,19 @@ def test_sweep_skips_finished_runs_resumes_started_ones_and_sets_the_control_lr(
     calls.clear()
     os.remove(tmp_path / "grpo-k4-s1" / "summary.json")  # a run that stopped before its end
     os.remove(tmp_path / "summaries" / "grpo-k4-s1.json")
-    sweep.sweep(args)
+    run_sweep(args)
     assert calls == [["--resume", str(tmp_path / "grpo-k4-s1"), "--no-progress"]]
 
     calls.clear()
     os.remove(tmp_path / "summaries" / "vcpo-k0-s0.json")  # finished, but killed before its summary was written
-    sweep.sweep(args)
+    run_sweep(args)
     assert calls == [] and os.path.isfile(tmp_path / "summaries" / "vcpo-k0-s0.json")
 
 
 def test_summaries_carry_the_facts_and_outlive_the_run_folders(tmp_path, monkeypatch):
     monkeypatch.setattr(sweep.subprocess, "call", fake_train([], steps=20))
     args = args_for(tmp_path)
-    sweep.sweep(args)
+    run_sweep(args)
     summary = json.load(open(tmp_path / "summaries" / "vcpo-k4-s1.json"))
     assert {"rule", "k", "seed", "final_accuracy", "reward_last10", "collapsed_at", "ess_median", "lr_scale_median",
             "mean_lag", "wall_s", "commit"} <= set(summary)
@@ -155,13 +159,14 @@ def test_summaries_carry_the_facts_and_outlive_the_run_folders(tmp_path, monkeyp
     assert summary["reward_last10"] == pytest.approx(statistics.fmean([18 / 20, 19 / 20]))
     assert summary["rewards"] == [pytest.approx(t / 20) for t in range(20)]
     assert summary["evals"] == [[20, 1.0, pytest.approx(0.6)]]
+    assert summary["wall"] == [pytest.approx(0.05 * t) for t in range(1, 21)]
     assert len(summary["commit"]) >= 40  # this repository's HEAD
 
     for run in sweep.plan(args.rules, args.ks, args.seeds, args.control_ks):  # the run folders are lost
         shutil.rmtree(tmp_path / run.name)
     calls = []
     monkeypatch.setattr(sweep.subprocess, "call", fake_train(calls, steps=20))
-    sweep.sweep(args)
+    run_sweep(args)
     assert calls == []  # nothing runs again
     sweep.report(args)
     assert json.load(open(tmp_path / "sweep.json"))["cells"]
@@ -169,9 +174,9 @@ def test_summaries_carry_the_facts_and_outlive_the_run_folders(tmp_path, monkeyp
 
 def test_a_summary_with_other_settings_is_refused_naming_it(tmp_path, monkeypatch):
     monkeypatch.setattr(sweep.subprocess, "call", fake_train([], steps=20))
-    sweep.sweep(args_for(tmp_path, rules=["vcpo"], ks=[0], seeds=[0]))
+    run_sweep(args_for(tmp_path, rules=["vcpo"], ks=[0], seeds=[0]))
     with pytest.raises(SystemExit, match="vcpo-k0-s0.json"):
-        sweep.sweep(args_for(tmp_path, rules=["vcpo"], ks=[0], seeds=[0], steps=30))
+        run_sweep(args_for(tmp_path, rules=["vcpo"], ks=[0], seeds=[0], steps=30))
 
 
 def test_mean_ci_covers_the_mean_95_percent_of_the_time():
@@ -211,11 +216,11 @@ def test_sweep_stops_at_the_budget(tmp_path, monkeypatch):
     monkeypatch.setattr(sweep.subprocess, "call", fake_train(calls, steps=20))
     clock = iter(range(0, 10_000, 60))  # every reading of the clock is a minute later
     monkeypatch.setattr(sweep.time, "monotonic", lambda: next(clock))
-    sweep.sweep(args_for(tmp_path, budget_minutes=4.5))
+    run_sweep(args_for(tmp_path, budget_minutes=4.5))
     # run 1 starts at minute 1 and takes a minute; then each run starts when spent + 1 minute fits in 4.5
     assert 1 <= len(calls) < 10
     spent_runs = len(calls)
-    sweep.sweep(args_for(tmp_path, budget_minutes=4.5))  # a second call goes on where it stopped
+    run_sweep(args_for(tmp_path, budget_minutes=4.5))  # a second call goes on where it stopped
     assert len(calls) > spent_runs
 
 
@@ -228,7 +233,7 @@ def test_a_control_without_its_vcpo_run_is_an_error_naming_it(tmp_path):
 def test_report_aggregates_over_seeds(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sweep.subprocess, "call", fake_train([], steps=20))
     args = args_for(tmp_path, seeds=[0, 1, 2])
-    sweep.sweep(args)
+    run_sweep(args)
     sweep.report(args)
     report = json.load(open(tmp_path / "sweep.json"))
     table = report["cells"]
