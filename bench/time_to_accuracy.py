@@ -14,7 +14,8 @@ The threshold was fixed before any run: the mean of THRESHOLD_EVALS consecutive 
 the 128 held-out prompts, one every 20 versions) at or above THRESHOLD. The time to it is the wall clock, from the
 first step's start, at the end of the step that made the last of those versions; a run that never gets there counts
 as not reached, never as its run time. The report also has, per cell, the spread of the final accuracy and of the
-late evaluations within a run, against one evaluation's binomial noise (point 5: does the policy itself oscillate).
+late evaluations within a run against one evaluation's binomial noise, and the worst fall of the training reward
+in the second half of a run (point 5: does the policy itself oscillate, and in which cells).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ CELLS = ["vcpo:4", "grpo:0", "vcpo:0", "vcpo:16"]  # per seed, the main job firs
 REFERENCES = ("grpo:0", "vcpo:0")  # the synchronous cells every other cell's speed-up is measured against
 SUMMARIES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "wallclock")
 LATE_PART = 3  # the late evaluations: those of the last third of the versions
+FALL_WINDOW = 50  # steps in the training reward's trailing mean for its falls
 
 
 def cell_run(cell: str, seed: int) -> Run:
@@ -71,6 +73,20 @@ def late_spread(summary: dict) -> float:
     return statistics.stdev(late) if len(late) > 1 else math.nan
 
 
+def reward_fall(summary: dict, window: int = FALL_WINDOW) -> float:
+    """The largest fall of the trailing-`window` mean training reward from its best so far, over the second half of
+    the run: how far the policy itself slides back (the training reward averages window x batch samples, so it is
+    far less noisy than one evaluation)."""
+    rewards = summary["rewards"]
+    smooth = [statistics.fmean(rewards[max(0, t - window + 1):t + 1]) for t in range(len(rewards))]
+    best, fall = -math.inf, 0.0
+    for t, value in enumerate(smooth):
+        best = max(best, value)
+        if t >= len(smooth) // 2:
+            fall = max(fall, best - value)
+    return fall
+
+
 def cells_table(summaries: dict[Run, dict], cells: list[str]) -> list[dict]:
     rows = []
     for cell in cells:
@@ -86,6 +102,7 @@ def cells_table(summaries: dict[Run, dict], cells: list[str]) -> list[dict]:
             if reached else math.nan, "versions": mean_ci([t[0] for t in reached]),
             "final_accuracy": accuracy, "reward_last10": mean_ci([d["reward_last10"] for d in ds]),
             "late_spread": statistics.fmean(late_spread(d) for d in ds),
+            "reward_fall": mean_ci([reward_fall(d) for d in ds]),
             "eval_noise": math.sqrt(p * (1 - p) / ds[0]["eval_size"]) if 0 <= p <= 1 else math.nan,
             "collapses": sum(d["collapsed_at"] is not None for d in ds),
             "mean_lag": statistics.fmean(d["mean_lag"] for d in ds),
@@ -131,13 +148,14 @@ def _pm(cell: tuple[float, float, float], digits: int = 3) -> str:
 
 def markdown(table: list[dict], pairs: list[dict]) -> str:
     lines = [f"| cell (rule:k) | seeds | reached {THRESHOLD} | seconds to it (mean +- 95% CI; median) | versions to it | "
-             "final acc (mean +- 95% CI) | late evals' sd (one eval's noise) | reward last 10% | collapses | "
-             "mean lag | run seconds |", "|" + "---|" * 11]
+             "final acc (mean +- 95% CI) | late evals' sd (one eval's noise) | reward last 10% | worst reward fall "
+             "| collapses | mean lag | run seconds |", "|" + "---|" * 12]
     for r in table:
+        median = "" if math.isnan(r["seconds_median"]) else f"; {r['seconds_median']:.0f}"
         lines.append(f"| {r['cell']} | {len(r['seeds'])} | {r['reached']} of {len(r['seeds'])} | "
-                     f"{_pm(r['seconds'], 0)}; {r['seconds_median']:.0f} | {_pm(r['versions'], 0)} | "
+                     f"{_pm(r['seconds'], 0)}{median} | {_pm(r['versions'], 0)} | "
                      f"{_pm(r['final_accuracy'])} | {r['late_spread']:.3f} ({r['eval_noise']:.3f}) | "
-                     f"{_pm(r['reward_last10'])} | {r['collapses']} | {r['mean_lag']:.1f} | {_pm(r['run_seconds'], 0)} |")
+                     f"{_pm(r['reward_last10'])} | {_pm(r['reward_fall'])} | {r['collapses']} | {r['mean_lag']:.1f} | {_pm(r['run_seconds'], 0)} |")
     if pairs:
         lines += ["", "Speed-up to the threshold, paired by seed (the reference's time over the cell's; geometric mean "
                   "and 95% interval over the seeds where both reached it):", "",

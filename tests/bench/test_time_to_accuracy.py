@@ -31,7 +31,7 @@ def random_summary(rng, rule="vcpo", k=4, seed=0, steps=200, every=20):
         evals.append([v, wall[min(steps - 1, v + 3)], round(level, 4)])
     evals.append([steps, wall[-1], evals[-1][2]])
     return {"rule": rule, "k": k, "seed": seed, "steps": steps, "wall": wall, "evals": evals, "eval_size": 128,
-            "final_accuracy": evals[-1][2], "reward_last10": rng.random(), "collapsed_at": None, "mean_lag": 1.0,
+            "final_accuracy": evals[-1][2], "reward_last10": rng.random(), "rewards": [rng.random() for _ in wall], "collapsed_at": None, "mean_lag": 1.0,
             "wall_s": wall[-1], "commit": "c" * 40, "train_args": [], "base_lr": 3e-4}
 
 
@@ -67,6 +67,18 @@ def test_the_repeated_final_evaluation_counts_once():
 def test_late_spread_is_the_last_third():
     d = {"steps": 90, "evals": [[v, 0.0, a] for v, a in [(0, 0.9), (30, 0.1), (60, 0.2), (80, 0.4), (90, 0.3)]]}
     assert tta.late_spread(d) == pytest.approx(statistics.stdev([0.2, 0.4, 0.3]))
+
+
+def test_reward_fall_against_pairs_of_steps():
+    rng = random.Random(8)
+    for _ in range(200):
+        n, window = rng.randrange(2, 120), rng.randrange(1, 20)
+        rewards = [rng.random() for _ in range(n)]
+        smooth = [statistics.fmean(rewards[max(0, t - window + 1):t + 1]) for t in range(n)]
+        # every (earlier step, step in the second half) pair: how far the second is below the first
+        expected = max([0.0] + [smooth[s] - smooth[t] for t in range(n // 2, n) for s in range(t + 1)])
+        assert tta.reward_fall({"rewards": rewards}, window) == pytest.approx(expected)
+    assert tta.reward_fall({"rewards": [0.1, 0.5, 0.9]}, 1) == 0.0  # it only rose
 
 
 def summaries_for(rng, cells, seeds):
