@@ -136,6 +136,27 @@ def ess_lead(ess: list[float], collapse: Optional[int], window: int, level: floa
     return t - start
 
 
+def autocorrelation(values: list[float], lag: int) -> float:
+    """The lag-`lag` autocorrelation of a series about its mean (NaN when it is constant or too short)."""
+    n = len(values)
+    if lag < 1 or n <= lag:
+        return math.nan
+    mean = statistics.fmean(values)
+    dev = [v - mean for v in values]
+    var = sum(d * d for d in dev)
+    return sum(dev[t] * dev[t + lag] for t in range(n - lag)) / var if var > 0 else math.nan
+
+
+def lr_scale_variation(summary: dict) -> tuple[float, float, float]:
+    """How the lr scale moves from step to step once the lag has reached k: its standard deviation, its lag-1
+    autocorrelation (near 0: batch-to-batch noise; near 1: slow drifts) and its autocorrelation at lag k (negative
+    when the ESS, which sees the last k steps' moves, pushes the lr back k steps later: a delayed-feedback swing)."""
+    scale = summary["lr_scale"][summary["k"]:]
+    if len(scale) < 2 or len(set(scale)) == 1:
+        return 0.0, math.nan, math.nan
+    return statistics.stdev(scale), autocorrelation(scale, 1), autocorrelation(scale, summary["k"])
+
+
 # Student's t quantiles t(0.975, df) for df = 1..30 (beyond, the normal 1.96): the half-width of a 95% interval of
 # a mean of n values is t(0.975, n - 1) x std / sqrt(n).
 T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
@@ -297,6 +318,8 @@ def aggregate(summaries: dict[Run, dict]) -> list[dict]:
             "ess_leads": [d["ess_lead"] for d in collapsed],
             "ess_median": statistics.median(d["ess_median"] for d in ds),
             "lr_scale_median": statistics.median(d["lr_scale_median"] for d in ds),
+            # the seeds' mean of each of (sd, lag-1 autocorrelation, lag-k autocorrelation) of the lr scale
+            "lr_scale_variation": [statistics.fmean(v) for v in zip(*(lr_scale_variation(d) for d in ds))],
             "lr": statistics.median(d["lr"] for d in ds),
             "mean_lag": statistics.fmean(d["mean_lag"] for d in ds),
             "wall_s": statistics.fmean(d["wall_s"] for d in ds),
@@ -324,16 +347,22 @@ def _pm(cell: tuple[float, float, float]) -> str:
     return f"{mean:.3f}" if math.isnan(half) else f"{mean:.3f} +- {half:.3f}"
 
 
+def _variation(cell: list[float]) -> str:
+    sd, lag1, lag_k = cell
+    return "-" if sd == 0 else f"{sd:.3f} ({lag1:.2f}, {'-' if math.isnan(lag_k) else f'{lag_k:.2f}'})"
+
+
 def markdown(table: list[dict], pairs: list[dict]) -> str:
     lines = ["| rule | k | seeds | final acc (mean +- 95% CI) | eval noise | reward last 10% (+- 95% CI) | collapses "
-             "(step; ESS lead) | ESS ratio med | lr scale med | lr | mean lag | wall s |", "|" + "---|" * 12]
+             "(step; ESS lead) | ESS ratio med | lr scale med | lr scale sd (autocorr. lag 1, lag k) | lr | mean lag "
+             "| wall s |", "|" + "---|" * 13]
     for row in table:
         falls = ", ".join(f"{s}; {'-' if lead is None else lead}"
                           for s, lead in zip(row["collapse_steps"], row["ess_leads"]))
         lines.append(f"| {row['rule']} | {row['k']} | {row['seeds']} | {_pm(row['final_accuracy'])} | "
                      f"{row['eval_noise']:.3f} | {_pm(row['reward_last10'])} | "
                      f"{row['collapses']}{f' ({falls})' if falls else ''} | {row['ess_median']:.3f} | "
-                     f"{row['lr_scale_median']:.3f} | {row['lr']:.2e} | {row['mean_lag']:.1f} | {row['wall_s']:.0f} |")
+                     f"{row['lr_scale_median']:.3f} | {_variation(row['lr_scale_variation'])} | {row['lr']:.2e} | {row['mean_lag']:.1f} | {row['wall_s']:.0f} |")
     if pairs:
         lines += ["", "Paired by seed, VCPO minus the rule (final held-out accuracy):", "",
                   "| k | rule | seeds | VCPO - rule (mean +- 95% CI) | seeds with VCPO ahead |", "|---|---|---|---|---|"]

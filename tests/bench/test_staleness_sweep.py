@@ -179,6 +179,29 @@ def test_a_summary_with_other_settings_is_refused_naming_it(tmp_path, monkeypatc
         run_sweep(args_for(tmp_path, rules=["vcpo"], ks=[0], seeds=[0], steps=30))
 
 
+def test_autocorrelation_against_numpy():
+    import numpy as np
+
+    rng = random.Random(9)
+    for _ in range(100):
+        n = rng.randrange(3, 200)
+        values = [rng.gauss(0, 1) + 0.5 * math.sin(t / rng.uniform(1, 10)) for t in range(n)]
+        x = np.array(values) - np.mean(values)
+        full = np.correlate(x, x, mode="full")[n - 1:] / np.dot(x, x)  # full[L]: lag L
+        for lag in (1, rng.randrange(1, n)):
+            assert sweep.autocorrelation(values, lag) == pytest.approx(full[lag], abs=1e-12)
+    assert math.isnan(sweep.autocorrelation([0.3] * 10, 1)) and math.isnan(sweep.autocorrelation([1.0, 2.0], 2))
+
+
+def test_lr_scale_variation_starts_once_the_lag_is_k():
+    scale = [5.0] * 4 + [0.4, 0.6] * 10  # the first k = 4 steps (lag below k) must not count
+    sd, lag1, lag_k = sweep.lr_scale_variation({"k": 4, "lr_scale": scale})
+    assert sd == pytest.approx(statistics.stdev([0.4, 0.6] * 10))
+    assert lag1 == pytest.approx(sweep.autocorrelation([0.4, 0.6] * 10, 1)) and lag1 < -0.9  # alternating
+    assert lag_k == pytest.approx(sweep.autocorrelation([0.4, 0.6] * 10, 4)) and lag_k > 0.7
+    assert sweep.lr_scale_variation({"k": 0, "lr_scale": [1.0] * 30})[0] == 0.0  # a rule without the ESS scaling
+
+
 def test_mean_ci_covers_the_mean_95_percent_of_the_time():
     rng = random.Random(3)
     for n in (2, 5, 12):
