@@ -87,13 +87,13 @@ def reward_fall(summary: dict, window: int = FALL_WINDOW) -> float:
     return fall
 
 
-def cells_table(summaries: dict[Run, dict], cells: list[str]) -> list[dict]:
+def cells_table(summaries: dict[Run, dict], cells: list[str], threshold: float = THRESHOLD) -> list[dict]:
     rows = []
     for cell in cells:
         ds = [d for run, d in sorted(summaries.items(), key=lambda x: x[0].seed) if cell_run(cell, run.seed) == run]
         if not ds:
             continue
-        reached = [t for d in ds if (t := time_to(d)) is not None]
+        reached = [t for d in ds if (t := time_to(d, threshold)) is not None]
         accuracy = mean_ci([d["final_accuracy"] for d in ds])
         p = accuracy[0]
         rows.append({
@@ -111,7 +111,7 @@ def cells_table(summaries: dict[Run, dict], cells: list[str]) -> list[dict]:
     return rows
 
 
-def speedups(summaries: dict[Run, dict], cells: list[str]) -> list[dict]:
+def speedups(summaries: dict[Run, dict], cells: list[str], threshold: float = THRESHOLD) -> list[dict]:
     """Per reference cell and other cell, seed by seed: the reference's time to the threshold over the cell's.
     The geometric mean of the ratios where both reached it, with its 95% interval (a t interval of the log
     ratios); the seeds where only one of the two reached it are listed apart."""
@@ -124,7 +124,7 @@ def speedups(summaries: dict[Run, dict], cells: list[str]) -> list[dict]:
             for run, d in sorted(summaries.items(), key=lambda x: x[0].seed):
                 if run != cell_run(cell, run.seed) or cell_run(ref, run.seed) not in summaries:
                     continue
-                t_cell, t_ref = time_to(d), time_to(summaries[cell_run(ref, run.seed)])
+                t_cell, t_ref = time_to(d, threshold), time_to(summaries[cell_run(ref, run.seed)], threshold)
                 if t_cell and t_ref:
                     logs.append(math.log(t_ref[1] / t_cell[1]))
                 else:
@@ -146,8 +146,8 @@ def _pm(cell: tuple[float, float, float], digits: int = 3) -> str:
     return f"{mean:.{digits}f}" if math.isnan(half) else f"{mean:.{digits}f} +- {half:.{digits}f}"
 
 
-def markdown(table: list[dict], pairs: list[dict]) -> str:
-    lines = [f"| cell (rule:k) | seeds | reached {THRESHOLD} | seconds to it (mean +- 95% CI; median) | versions to it | "
+def markdown(table: list[dict], pairs: list[dict], threshold: float = THRESHOLD) -> str:
+    lines = [f"| cell (rule:k) | seeds | reached {threshold} | seconds to it (mean +- 95% CI; median) | versions to it | "
              "final acc (mean +- 95% CI) | late evals' sd (one eval's noise) | reward last 10% | worst reward fall "
              "| collapses | mean lag | run seconds |", "|" + "---|" * 12]
     for r in table:
@@ -170,7 +170,7 @@ def markdown(table: list[dict], pairs: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def figure(summaries: dict[Run, dict], cells: list[str], path: str) -> None:
+def figure(summaries: dict[Run, dict], cells: list[str], path: str, threshold: float = THRESHOLD) -> None:
     """Held-out accuracy (the mean of THRESHOLD_EVALS consecutive evaluations) against the wall clock, one thin
     line per run, one colour per cell, the threshold dashed."""
     import matplotlib
@@ -189,7 +189,7 @@ def figure(summaries: dict[Run, dict], cells: list[str], path: str) -> None:
                       for j in range(THRESHOLD_EVALS - 1, len(evals))]
             ax.plot([p[0] / 60 for p in points], [p[1] for p in points], color=f"C{i}", lw=0.8, alpha=0.8,
                     label=cell if run.seed == min(r.seed for r in summaries if r == cell_run(cell, r.seed)) else None)
-    ax.axhline(THRESHOLD, color="k", ls="--", lw=0.8)
+    ax.axhline(threshold, color="k", ls="--", lw=0.8)
     ax.set_xlabel("wall clock (minutes from the first step)")
     ax.set_ylabel(f"held-out accuracy (mean of {THRESHOLD_EVALS} evaluations)")
     ax.legend(fontsize=8)
@@ -215,6 +215,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=1500, help="the main job's")
     p.add_argument("--lr", type=float, default=3e-4, help="the main job's")
     p.add_argument("--report-only", action="store_true", help="write the report of the finished runs, run nothing")
+    p.add_argument("--threshold", type=float, default=THRESHOLD,
+                   help="another accuracy to report the time to (default: %(default)s, the one fixed before any run)")
     p.add_argument("train_args", nargs="*", help="after --: more `vcpo train` settings for every run")
     args = p.parse_args()
     sweep_args = SimpleNamespace(out=args.out, summaries=args.summaries, steps=args.steps, lr=args.lr,
@@ -225,18 +227,19 @@ def main() -> None:
     summaries = {run: s for run in runs if (s := read_summary(sweep_args, run)) is not None}
     if not summaries:
         raise SystemExit(f"{args.summaries}: no finished run of these cells and seeds yet")
-    table, pairs = cells_table(summaries, args.cells), speedups(summaries, args.cells)
-    text = markdown(table, pairs)
+    table = cells_table(summaries, args.cells, args.threshold)
+    pairs = speedups(summaries, args.cells, args.threshold)
+    text = markdown(table, pairs, args.threshold)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "time_to_accuracy.md"), "w") as f:
         f.write(text)
     with open(os.path.join(args.out, "time_to_accuracy.json"), "w") as f:
-        json.dump({"threshold": THRESHOLD, "threshold_evals": THRESHOLD_EVALS, "cells": table, "speedups": pairs},
+        json.dump({"threshold": args.threshold, "threshold_evals": THRESHOLD_EVALS, "cells": table, "speedups": pairs},
                   f, indent=1)
-    figure(summaries, args.cells, os.path.join(args.out, "time_to_accuracy.png"))
+    figure(summaries, args.cells, os.path.join(args.out, "time_to_accuracy.png"), args.threshold)
     commits = sorted({c for row in table for c in row["commits"]})
     print(text + f"\n{len(summaries)} of {len(runs)} runs finished (code: {', '.join(c[:12] for c in commits)}); "
-          f"threshold: the mean of {THRESHOLD_EVALS} consecutive held-out evaluations >= {THRESHOLD}. Written to "
+          f"threshold: the mean of {THRESHOLD_EVALS} consecutive held-out evaluations >= {args.threshold}. Written to "
           f"{args.out}/")
 
 
