@@ -1,8 +1,9 @@
 """Faults of `engine: server` on real vLLM servers started by `vcpo train --engine-servers`: one server killed
 during a weight sync (the run goes on with the other), then the last one mid-run (checkpoint and a clear error
-naming both URLs),
-then `--resume` with a different number of servers: every sample is consumed exactly once. The trainer killed
-(its servers go too) and resumed, then stopped by SIGTERM with a batch in flight (out within 10 s)."""
+naming both URLs), then `--resume` with a different number of servers: every sample is consumed exactly once; all
+under a dead HTTP_PROXY, the servers on Unix sockets in private folders, their key in no file or log line
+(docs/scale.md, "Who can drive a server"). The trainer killed (its servers go too) and resumed, then stopped by
+SIGTERM with a batch in flight (out within 10 s)."""
 
 import json
 import os
@@ -14,9 +15,12 @@ import time
 import pytest
 import torch
 
+from vcpo.trainer.engines.servers import KEY_ENV, free_port
+
 pytest.importorskip("vllm")
 
 STEPS, K = 24, 2
+PROXY_VARIABLES = ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
 DRIVER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support", "faulty_train.py")
 
 pytestmark = pytest.mark.slow  # vLLM servers started and killed
@@ -40,8 +44,12 @@ def gone(pid):
 def test_servers_killed_mid_sync_and_mid_run_then_resume_with_another_pool(tmp_path):
     """Server 0 SIGKILLed at the sync of version 3, paused and about to reload (tests/support/faulty_train.py): the
     sync goes on with server 1 and so does the run; server 1 SIGKILLed mid-run: a checkpoint and an error; a resume
-    with one new server consumes every sample exactly once."""
-    env = {**os.environ, "VCPO_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+    with one new server consumes every sample exactly once. A dead proxy in the environment, and the key
+    (VLLM_API_KEY's here, to look for it) in no file of the run folder and no line of output."""
+    key = "the-key-" + os.urandom(8).hex()
+    dead_proxy = f"http://127.0.0.1:{free_port()}"
+    env = {**{k: v for k, v in os.environ.items() if k.upper() != "NO_PROXY"}, **dict.fromkeys(PROXY_VARIABLES,
+           dead_proxy), KEY_ENV: key, "VCPO_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
     folder = tmp_path / "run"
     args = ["--engine", "server", "--prompts-per-step", "4", "--responses-per-prompt", "4", "--eval-size", "16",
             "--eval-every", "10", "--checkpoint-every", "5", "--warm-start-steps", "30", "--no-progress",
@@ -60,7 +68,8 @@ def test_servers_killed_mid_sync_and_mid_run_then_resume_with_another_pool(tmp_p
 
     wait_for_step(4)
     servers = json.load(open(folder / "servers" / "servers.json"))
-    assert len(servers) == 2 and all(s["url"].startswith("unix:") for s in servers)  # no port another user can reach
+    # no port another user can reach: a socket in the server's private folder
+    assert len(servers) == 2 and all(s["url"] == f"unix:{s['tmp']}/http.sock" for s in servers)
     killed_at = len(read_jsonl(metrics))
     wait_for_step(killed_at + 8)  # the run goes on with one server
     assert gone(servers[0]["pid"])
@@ -98,6 +107,20 @@ def test_servers_killed_mid_sync_and_mid_run_then_resume_with_another_pool(tmp_p
     assert summary["steps"] == STEPS and len(summary["servers"]) == 1 and summary["servers"][0]["up"]
     new = json.load(open(folder / "servers" / "servers.json"))
     assert len(new) == 1 and gone(new[0]["pid"]) and not os.path.exists(new[0]["tmp"])
+    used = {r["server"] for r in rollouts}
+    assert new[0]["url"] in used and used <= {s["url"] for s in servers + new}
+    written = [os.path.join(d, f) for d, _, files in os.walk(folder) for f in files]
+    assert len(written) > 5 and not [f for f in written if key.encode() in open(f, "rb").read()]
+    assert key not in out + err + resumed.stdout + resumed.stderr
+
+
+def requests_running(url, key):
+    """vllm:num_requests_running of the server at `url`, from its /metrics."""
+    from vcpo.trainer.engines.servers import http_client
+
+    with http_client(url, key, sync=True) as client:
+        text = client.get("/metrics").raise_for_status().text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:num_requests_running"))
 
 
 def long_answers(folder):
@@ -129,7 +152,8 @@ def test_sigkill_takes_the_servers_down_and_sigterm_with_a_batch_in_flight_exits
     from vcpo.trainer.run_folder import RunFolder
     from vcpo.trainer.data import PromptStream, load_problems, split_problems
 
-    env = {**os.environ, "VCPO_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+    key = "the-key-" + os.urandom(8).hex()  # known here, to ask the server what it is generating
+    env = {**os.environ, KEY_ENV: key, "VCPO_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
     model, data = long_answers(tmp_path)
     folder = tmp_path / "run"
     args = ["--engine-servers", "1", "--no-progress", "--steps", "200", "--checkpoint-every", "2"]
@@ -161,6 +185,8 @@ def test_sigkill_takes_the_servers_down_and_sigterm_with_a_batch_in_flight_exits
     # its lines reach the file whole at each checkpoint (count them by their ends: one may be half written)
     wait_for(second, lambda: metrics.read_bytes().count(b"\n") >= resumed_from + 2)
     server = json.load(open(folder / "servers" / "servers.json"))[0]
+    # a batch in flight: the producer may be ahead by k and waiting for the next version, or loading it
+    wait_for(second, lambda: requests_running(server["url"], key) > 0)
     signalled = time.perf_counter()
     second.send_signal(signal.SIGTERM)
     out, err = second.communicate(timeout=300)
