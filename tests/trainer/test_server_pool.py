@@ -18,6 +18,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from support.tiny_models import logprobs, save_tiny_model  # noqa: E402
+from support.vllm_metrics import requests_running  # noqa: E402
 from vcpo.trainer import tiny  # noqa: E402
 from vcpo.trainer.engines.servers import KEY_ENV, free_port  # noqa: E402
 
@@ -78,9 +79,9 @@ def test_weight_sync_reaches_every_server_and_versions_are_exact(servers, tmp_pa
         thread = threading.Thread(target=lambda: result.update(out=pool.generate(
             [prompt] * 16, n=8, max_tokens=56, temperature=1.0, seeds=range(16))))
         thread.start()
-        while not any(s.outstanding for s in pool.servers):
+        # decoding is under way on both (not a guessed sleep: a fast machine ends the batch within 0.2 s)
+        while thread.is_alive() and not all(requests_running(url, KEY) > 0 for url in servers):
             time.sleep(0.005)
-        time.sleep(0.2)  # decoding is under way
         pool.load_weights(models[1].state_dict(), 1)
         thread.join()
         during = [c for group in result["out"] for c in group]

@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+from support.vllm_metrics import requests_running
 
 from vcpo.trainer.engines.servers import KEY_ENV, free_port
 
@@ -112,15 +113,6 @@ def test_servers_killed_mid_sync_and_mid_run_then_resume_with_another_pool(tmp_p
     written = [os.path.join(d, f) for d, _, files in os.walk(folder) for f in files]
     assert len(written) > 5 and not [f for f in written if key.encode() in open(f, "rb").read()]
     assert key not in out + err + resumed.stdout + resumed.stderr
-
-
-def requests_running(url, key):
-    """vllm:num_requests_running of the server at `url`, from its /metrics."""
-    from vcpo.trainer.engines.servers import http_client
-
-    with http_client(url, key, sync=True) as client:
-        text = client.get("/metrics").raise_for_status().text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:num_requests_running"))
 
 
 def long_answers(folder):
