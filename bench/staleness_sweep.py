@@ -61,12 +61,19 @@ ABLATIONS = {
     "vcpo-ess-base-0.5": ["--loss", "vcpo", "--ess-base-ratio", "0.5"],  # full lr down to an ESS ratio of 0.5
     "vcpo-lr-linear": ["--loss", "vcpo", "--lr-rule", "linear"],
     "vcpo-c4": ["--loss", "vcpo", "--is-threshold", "4"],  # truncation at C = 4 instead of 8
+    "vcpo-lr-ema-0.9": ["--loss", "vcpo", "--lr-scale-ema", "0.9"],  # the lr scale averaged over about 20 steps
+}
+# VCPO with the lr decayed over the run (`lr_schedule`): issue 27 point 5, in bench/time_to_accuracy.py's main job
+SCHEDULES = {
+    "vcpo-cosine": ["--loss", "vcpo", "--lr-schedule", "cosine"],  # cosine from lr to 0.1 x lr at the last step
 }
 GRID = list(RULES)
 RULES.update(OPOB_VARIANTS)
 RULES.update(ABLATIONS)
+RULES.update(SCHEDULES)
 CONTROL = "@vcpo-lr"  # suffix of a control run: the rule at lr x VCPO's median lr scale (same k, same seed)
-CONTROLLED = ("seq-tis", "grpo", "token-tis", "mis", "ppo")
+# vcpo-no-ess at VCPO's lr: OPOB at a constant lr, the cell that splits the k = 16 gap between OPOB and the lr's moves
+CONTROLLED = ("seq-tis", "grpo", "token-tis", "mis", "ppo", "vcpo-no-ess")
 SUMMARIES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "sweep")
 
 
@@ -85,10 +92,11 @@ class Run:
         return self.rule.removesuffix(CONTROL)
 
 
-def plan(rules: list[str], ks: list[int], seeds: list[int], control_ks: list[int]) -> list[Run]:
-    """Seed by seed, k by k: VCPO first (a control needs its lr scale), then the other rules, then the controls
-    (at the k in `control_ks` only)."""
-    ordered = ["vcpo"] + [r for r in rules if r != "vcpo"]
+def plan(rules: list[str], ks: list[int], seeds: list[int], control_ks: list[int],
+         controls_only: bool = False) -> list[Run]:
+    """Seed by seed, k by k: VCPO first (a control needs its lr scale), then the other rules (not with
+    `controls_only`), then the controls (at the k in `control_ks` only)."""
+    ordered = ["vcpo"] + [r for r in rules if r != "vcpo" and not controls_only]
     runs = []
     for seed in seeds:
         for k in ks:
@@ -455,7 +463,7 @@ def main() -> None:
     p.add_argument("--summaries", default=SUMMARIES,
                    help="one JSON summary per finished run, kept across sweeps (default: bench/results/sweep)")
     p.add_argument("--rules", type=names, default=GRID, help=f"default: {','.join(GRID)}; also: "
-                   f"{','.join([*OPOB_VARIANTS, *ABLATIONS])}")
+                   f"{','.join([*OPOB_VARIANTS, *ABLATIONS, *SCHEDULES])}")
     p.add_argument("--ks", type=ints, default=[0, 4, 16, 32, 64])
     p.add_argument("--seeds", type=ints, default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=300)
@@ -463,6 +471,8 @@ def main() -> None:
     p.add_argument("--control-ks", type=ints,
                    help="the k at which to run each non-VCPO rule at VCPO's median effective learning rate (default:"
                         " every k > 0; at k = 0 the lr scale is 1 by construction); '' for none")
+    p.add_argument("--controls-only", action="store_true",
+                   help="of the rules, only their controls (and the VCPO runs the controls need)")
     p.add_argument("--budget-minutes", type=float, help="start no run that would end past this")
     p.add_argument("--report-only", action="store_true", help="write the report of the finished runs, run nothing")
     p.add_argument("train_args", nargs="*", help="after --: more `vcpo train` settings for every run")
@@ -470,7 +480,7 @@ def main() -> None:
     if args.control_ks is None:
         args.control_ks = [k for k in args.ks if k > 0]
     if not args.report_only:
-        sweep(args, plan(args.rules, args.ks, args.seeds, args.control_ks))
+        sweep(args, plan(args.rules, args.ks, args.seeds, args.control_ks, args.controls_only))
     report(args)
 
 

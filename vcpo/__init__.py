@@ -12,7 +12,7 @@ from vcpo_kernels import PolicyLossResult
 from .config import VCPOConfig
 from .grad_norms import PerSequenceGradients
 from .loss import VCPOLoss, policy_loss
-from .lr import ess_lr_scale, scale_lr
+from .lr import ess_lr_scale, scale_lr, smoothed_lr_scale
 from .step import RolloutBatch, step
 
 __version__ = "0.1.0"
@@ -23,6 +23,7 @@ __all__ = [
     "policy_loss",
     "ess_lr_scale",
     "scale_lr",
+    "smoothed_lr_scale",
     "PerSequenceGradients",
     "RolloutBatch",
     "step",

@@ -31,6 +31,9 @@ class VCPOConfig(PolicyLossOptions):
     # The sampling temperature of the rollouts: the step's log-probs are those of softmax(logits / temperature),
     # the distribution the behaviour log-probs are of (vLLM's processed log-probs; docs/trainer.md, "Sampling").
     temperature: float = 1.0
+    # The lr scale of each step taken: 0 (the paper's), the batch's own; beta in (0, 1), the moving average, weight
+    # beta, of the batch scales of the steps taken so far, bias-corrected (vcpo.lr.smoothed_lr_scale).
+    lr_scale_ema: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -51,6 +54,9 @@ class VCPOConfig(PolicyLossOptions):
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or \
                 not 0 < self.temperature < float("inf"):
             raise ValueError(f"temperature must be a finite number > 0, got {self.temperature!r}")
+        if isinstance(self.lr_scale_ema, bool) or not isinstance(self.lr_scale_ema, (int, float)) or \
+                not 0 <= self.lr_scale_ema < 1:
+            raise ValueError(f"lr_scale_ema must be a number in [0, 1), got {self.lr_scale_ema!r}")
 
 
 # exact: ||grad_theta sum_t log pi(y_it)||^2 over all trainable parameters, from one batched backward (a model

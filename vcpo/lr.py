@@ -11,7 +11,23 @@ from torch import Tensor
 
 from vcpo_kernels import ess_lr_scale
 
-__all__ = ["ess_lr_scale", "scale_lr"]
+__all__ = ["ess_lr_scale", "scale_lr", "smoothed_lr_scale"]
+
+# Where smoothed_lr_scale keeps its state: a key of the optimizer's first param group ([average, steps]), as torch's
+# lr schedulers keep `initial_lr`, so optimizer.state_dict() saves it and load_state_dict() restores it.
+EMA_STATE = "vcpo_lr_scale_ema"
+
+
+def smoothed_lr_scale(optimizer: torch.optim.Optimizer, lr_scale: float, beta: float) -> float:
+    """The lr scale of a step taken with `optimizer` under VCPOConfig.lr_scale_ema = `beta`: the moving average of
+    the batch scales of every step taken so far with it, this one's (`lr_scale`) included,
+    (1 - beta) sum_j beta^(t-j) s_j / (1 - beta^t) (Adam's bias correction: the first step's is its own scale). Call
+    it once per step taken; ranks that see the same scales keep the same average."""
+    group = optimizer.param_groups[0]
+    average, steps = group.get(EMA_STATE, (0.0, 0))
+    average, steps = beta * average + (1.0 - beta) * float(lr_scale), steps + 1
+    group[EMA_STATE] = [average, steps]
+    return average / (1.0 - beta ** steps)
 
 
 @contextmanager

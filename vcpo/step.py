@@ -22,7 +22,7 @@ from .config import VCPOConfig
 from .distributed import agg_count, global_share
 from .grad_norms import RECORDED, PerSequenceGradients, UnsupportedModuleError, recorder
 from .loss import policy_loss
-from .lr import scale_lr
+from .lr import scale_lr, smoothed_lr_scale
 
 __all__ = ["RolloutBatch", "SKIP_REASONS", "skip_names", "skip_reason", "step", "token_logp"]
 
@@ -134,7 +134,8 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch
     takes the step of one process on the whole batch (docs/grad_norms.md). A step whose loss, gradient norm or lr
     scale is not finite is skipped, on every rank alike: the weights and the optimizer's state stay as they were,
     the gradients are cleared, and the metrics say `skipped` (1.0, else 0.0) and why (`skip_reason`, SKIP_REASONS
-    bits)."""
+    bits). `lr_scale` is the scale the step took (with `lr_scale_ema`, the moving average), `batch_lr_scale` the
+    batch's own."""
     config = config if config is not None else VCPOConfig()
     if not isinstance(batch, RolloutBatch):
         raise ValueError(f"batch must be a vcpo.RolloutBatch, got {type(batch).__name__}")
@@ -405,9 +406,12 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatc
     reason = skip_reason(loss=metrics["loss"], grad_norm=metrics["grad_norm"], lr_scale=metrics["lr_scale"],
                          ess_ratio=metrics["ess_ratio"])
     metrics.update(skipped=float(reason > 0), skip_reason=float(reason))
+    metrics["batch_lr_scale"] = metrics["lr_scale"]
     if reason:
         optimizer.zero_grad(set_to_none=True)  # weights, moments and step counts stay as they were
         return metrics
+    if config.lr_scale_ema:
+        metrics["lr_scale"] = smoothed_lr_scale(optimizer, metrics["lr_scale"], config.lr_scale_ema)
     with scale_lr(optimizer, metrics["lr_scale"]):
         optimizer.step()
     return metrics

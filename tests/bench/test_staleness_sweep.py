@@ -78,13 +78,17 @@ def test_ess_lead_against_brute_force():
 def test_plan_runs_vcpo_before_its_controls_seed_by_seed():
     runs = sweep.plan(["seq-tis", "vcpo", "grpo", "vcpo-no-ess"], [0, 4], [0, 1], control_ks=[4])
     names = [r.name for r in runs]
-    assert len(names) == len(set(names)) == 2 * (2 * 4 + 2)  # 4 rules at each k + controls of seq-tis, grpo at k=4
+    # 4 rules at each k + the controls of seq-tis, grpo and vcpo-no-ess at k = 4
+    assert len(names) == len(set(names)) == 2 * (2 * 4 + 3)
     assert not any(r.rule.endswith(sweep.CONTROL) and r.k == 0 for r in runs)
     for r in runs:
         if r.rule.endswith(sweep.CONTROL):
             assert names.index(f"vcpo-k{r.k}-s{r.seed}") < names.index(r.name)
     assert all(r.seed == 0 for r in runs[:len(runs) // 2])  # a cut-short sweep has whole seeds
     assert not any(r.rule.endswith(sweep.CONTROL) for r in sweep.plan(["vcpo", "grpo"], [0, 4], [0], control_ks=[]))
+    only = sweep.plan(["seq-tis", "vcpo-no-ess"], [16], [0, 1], control_ks=[16], controls_only=True)
+    assert [r.name for r in only] == [f"{rule}-k16-s{seed}" for seed in (0, 1) for rule in
+                                      ("vcpo", "seq-tis@vcpo-lr", "vcpo-no-ess@vcpo-lr")]
 
 
 def fake_train(calls, steps, lr_scale=0.5):
@@ -284,9 +288,9 @@ def test_every_rule_is_the_loss_it_names(monkeypatch):
     import vcpo.trainer.run
     from vcpo.cli import main
 
-    configs = {}
+    configs, schedules = {}, {}
     def train(cfg, **kwargs):
-        configs[rule] = cfg.vcpo_config()  # and no summary, as on a trainer rank > 0
+        configs[rule], schedules[rule] = cfg.vcpo_config(), cfg.lr_schedule  # and no summary, as on a rank > 0
 
     monkeypatch.setattr(vcpo.trainer.run, "train", train)
     for rule, argv in sweep.RULES.items():
@@ -301,5 +305,9 @@ def test_every_rule_is_the_loss_it_names(monkeypatch):
     assert changed["vcpo-ess-base-0.5"] == {"ess_base_ratio": 0.5}
     assert changed["vcpo-lr-linear"] == {"lr_rule": "linear"}
     assert changed["vcpo-c4"] == {"is_threshold": 4.0}
+    assert changed["vcpo-lr-ema-0.9"] == {"lr_scale_ema": 0.9}
+    assert changed["vcpo-cosine"] == {} and schedules["vcpo-cosine"] == "cosine"
+    assert {r for r, s in schedules.items() if s != "constant"} == {"vcpo-cosine"}
     assert base["advantage"] == "opob" and base["lr_rule"] == "sqrt" and base["is_threshold"] == 8.0
-    assert sweep.GRID == [r for r in sweep.RULES if r not in {**sweep.OPOB_VARIANTS, **sweep.ABLATIONS}]
+    assert sweep.GRID == [r for r in sweep.RULES
+                          if r not in {**sweep.OPOB_VARIANTS, **sweep.ABLATIONS, **sweep.SCHEDULES}]

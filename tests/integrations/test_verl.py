@@ -258,6 +258,33 @@ def test_optimizer_step_runs_at_the_scaled_lr_and_restores_it():
         opt.step()
 
 
+def test_lr_scale_ema_steps_at_the_moving_average_of_the_mini_batches_scales():
+    """Three mini-batches with lr_scale_ema = 0.5: each step's lr is lr x the bias-corrected average of the float64
+    oracle's lr scales so far (the first its own; against AdamW at that lr), `.vcpo_stats` has both, and the lr is
+    restored after."""
+    p, ref = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    opt, plain = vv.VCPOAdamW([p], lr=0.1, lr_scale_ema=0.5), torch.optim.AdamW([ref], lr=0.1)
+    wanted = []
+    for seed in (4, 5, 6):
+        mask, mu, lp, adv = batch(seed, spread=0.8)
+        opt.zero_grad()
+        vv.vcpo_policy_loss(mu, lp, adv[:, None] * mask, mask, "token-mean", actor_config(threshold=2.0))
+        wanted.append(oracle_of(mask, mu, lp, adv, is_threshold=2.0)["lr_scale"])
+        t = len(wanted)
+        average = sum(0.5 * 0.5 ** (t - j) * s for j, s in enumerate(wanted, 1)) / (1 - 0.5 ** t)
+        p.grad = ref.grad = torch.tensor([1.0, -2.0, 0.5]) * seed
+        plain.param_groups[0]["lr"] = 0.1 * average
+        opt.step()
+        plain.step()
+        torch.testing.assert_close(p, ref, rtol=1e-6, atol=1e-7)
+        assert math.isclose(opt.vcpo_stats["lr_scale"], average, rel_tol=1e-12)
+        assert math.isclose(opt.vcpo_stats["batch_lr_scale"], wanted[-1], rel_tol=1e-12)
+        assert opt.param_groups[0]["lr"] == 0.1
+    assert len(set(wanted)) == 3 and not math.isclose(average, wanted[-1], rel_tol=1e-3)
+    with pytest.raises(ValueError, match="lr_scale_ema"):
+        vv.VCPOAdamW([torch.nn.Parameter(torch.ones(1))], lr=0.1, lr_scale_ema=1.0)
+
+
 @pytest.mark.parametrize("bad, grad, reason", [
     (-math.inf, "finite", "lr_scale"),  # s_i = +inf: a finite loss and gradient, but a NaN ESS (lr scale 0)
     (None, "nan", "grad_norm"),  # a NaN gradient (verl's actor skips it before calling step; used alone, VCPOAdamW)

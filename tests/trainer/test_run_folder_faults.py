@@ -331,4 +331,4 @@ def test_weights_that_turn_non_finite_after_a_step_stop_the_run_before_publishin
     batch = vcpo.RolloutBatch(torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2), torch.ones(1, 2),
                               torch.zeros(1, 2), torch.zeros(1))
     with pytest.raises(NonFiniteError, match=rf"\({name}: a NaN or an infinity\): nothing of them was sent"):
-        policy.step(batch)
+        policy.step(batch, 1)

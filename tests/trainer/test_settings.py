@@ -25,7 +25,9 @@ from vcpo.trainer import LOSS_PRESETS, load_file, make_config
     ({"engine": "server", "engine_servers": 1, "weight_swap": "later"}, "weight_swap"),
     ({"engine": "server", "engine_servers": 1, "engine_timeout": 0}, "engine_timeout"),
     ({"engine": "server", "engine_servers": 1, "exact_staleness": True}, "exact_staleness"),
-    ({"exact_staleness": "yes"}, "exact_staleness"),
+    ({"exact_staleness": "yes"}, "exact_staleness"), ({"lr_schedule": "step"}, "lr_schedule"),
+    ({"lr_min_ratio": 1.5}, "lr_min_ratio"), ({"lr_min_ratio": float("nan")}, "lr_min_ratio"),
+    ({"lr_warmup_steps": -1}, "lr_warmup_steps"),
 ])
 def test_bad_settings_name_the_setting(change, name):
     with pytest.raises(ValueError, match=name):

@@ -28,7 +28,7 @@ from ..config import VCPOConfig
 from ..distributed import agg_count, largest_abs
 from ..grad_norms import UnsupportedModuleError, recorder
 from ..loss import policy_loss
-from ..lr import scale_lr
+from ..lr import scale_lr, smoothed_lr_scale
 from ..step import skip_names, skip_reason, token_logp
 
 __all__ = ["VCPOAsyncGRPOConfig", "VCPOAsyncGRPOTrainer", "VCPOGRPOConfig", "VCPOGRPOTrainer"]
@@ -71,14 +71,16 @@ class _OptimizerStep:
     the optimizer's state stay as they were (Trainer clears the gradients after it). The decision reads values every
     process shares, so the processes skip together. Logged: `vcpo/skipped` per step, and a warning naming why."""
 
-    def __init__(self, metrics) -> None:
-        self.metrics, self._undo = metrics, None
+    def __init__(self, metrics, lr_scale_ema: float) -> None:
+        self.metrics, self.lr_scale_ema, self._undo = metrics, lr_scale_ema, None
 
     def begin(self, optimizer, state, lr_scale: float, ess_ratio: float, grad_max: float) -> None:
         reason = skip_reason(grad_norm=grad_max, lr_scale=lr_scale, ess_ratio=ess_ratio)
         self.metrics["vcpo/skipped"].append(float(reason > 0))
         self._undo = ExitStack()
         if not reason:
+            if self.lr_scale_ema:
+                lr_scale = smoothed_lr_scale(optimizer, lr_scale, self.lr_scale_ema)
             self._undo.enter_context(scale_lr(optimizer, lr_scale))
             return
         logging.getLogger(__name__).warning("vcpo: optimizer step %d skipped: not finite: %s", state.global_step + 1,
@@ -96,9 +98,9 @@ class _OptimizerStep:
 class _ESSLearningRate(TrainerCallback):
     """Each optimizer step at the generation batch's lr scale, or skipped (_OptimizerStep)."""
 
-    def __init__(self, metrics) -> None:
+    def __init__(self, metrics, lr_scale_ema: float) -> None:
         self.lr_scale, self.ess_ratio = 1.0, 1.0  # the generation batch's
-        self.step = _OptimizerStep(metrics)
+        self.step = _OptimizerStep(metrics, lr_scale_ema)
 
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, model=None, **kwargs):
         self.step.begin(optimizer, state, self.lr_scale, self.ess_ratio, float(_grad_max(model)))
@@ -120,7 +122,7 @@ class VCPOGRPOTrainer(GRPOTrainer):
         if not isinstance(self.vcpo_config, VCPOConfig):
             raise ValueError(f"vcpo_config must be a vcpo.VCPOConfig, got {type(self.vcpo_config).__name__}")
         self._refuse_unsupported()
-        self._lr = _ESSLearningRate(self._metrics["train"])
+        self._lr = _ESSLearningRate(self._metrics["train"], self.vcpo_config.lr_scale_ema)
         self.add_callback(self._lr)
         self._rewards_per_func = None
         self._head_only = False  # grad_norms="auto" fell back to the LM head's norm
@@ -318,7 +320,7 @@ class _StepESS(TrainerCallback):
     def __init__(self, trainer: "VCPOAsyncGRPOTrainer") -> None:
         self.trainer = trainer
         self.log_weights, self.lengths = [], []
-        self.step = _OptimizerStep(trainer._metrics["train"])
+        self.step = _OptimizerStep(trainer._metrics["train"], trainer.vcpo_config.lr_scale_ema)
 
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, model=None, **kwargs):
         config = self.trainer.vcpo_config

@@ -22,7 +22,7 @@ from vcpo_kernels.ops import batch_normalizer
 from ..config import VCPOConfig
 from ..distributed import global_share
 from ..loss import policy_loss
-from ..lr import ess_lr_scale, scale_lr
+from ..lr import ess_lr_scale, scale_lr, smoothed_lr_scale
 from ..step import skip_names, skip_reason
 
 __all__ = ["LOSS_MODE", "vcpo_policy_loss", "loss_options", "rejection_entries", "VCPOAdamW"]
@@ -160,13 +160,16 @@ class VCPOAdamW(torch.optim.AdamW):
     step, the gradients cleared. verl's actor already skips the step (and clears the gradients) when its gradient
     norm is not finite; this adds the NaN ESS, whose lr scale of 0 would still move AdamW's moments. In verl:
     `actor.optim.optimizer_impl=vcpo.integrations.verl`, `optimizer=VCPOAdamW`, `lr_rule` and `ess_base_ratio` in
-    `override_optimizer_config`. The last step's `ess`, `ess_ratio`, `lr_scale`, `num_seqs`, `skipped` (1.0 or 0.0)
+    `override_optimizer_config`, and `lr_scale_ema` (VCPOConfig's). The last step's `ess`, `ess_ratio`, `lr_scale` (the
+    step's), `batch_lr_scale` (its sequences' own; the same without lr_scale_ema), `num_seqs`, `skipped` (1.0 or 0.0)
     and `skip_reason` are in `.vcpo_stats` (floats)."""
 
-    def __init__(self, params, *, lr_rule="sqrt", ess_base_ratio=1.0, process_group=None, **adamw_kwargs):
-        VCPOConfig(lr_rule=lr_rule, ess_base_ratio=ess_base_ratio)  # ValueError naming a bad value
+    def __init__(self, params, *, lr_rule="sqrt", ess_base_ratio=1.0, lr_scale_ema=0.0, process_group=None,
+                 **adamw_kwargs):
+        VCPOConfig(lr_rule=lr_rule, ess_base_ratio=ess_base_ratio, lr_scale_ema=lr_scale_ema)  # names a bad value
         super().__init__(params, **adamw_kwargs)
         self.lr_rule, self.ess_base_ratio, self.process_group = lr_rule, float(ess_base_ratio), process_group
+        self.lr_scale_ema = float(lr_scale_ema)
         self.vcpo_stats: dict[str, float] = {}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -197,8 +200,8 @@ class VCPOAdamW(torch.optim.AdamW):
             raise RuntimeError("VCPOAdamW stepped with no call of the 'vcpo' policy loss on any rank since zero_grad "
                                "(set actor.policy_loss.loss_mode=vcpo)")
         reason = skip_reason(grad_norm=grad_max, lr_scale=scale, ess_ratio=ratio)
-        self.vcpo_stats = {"ess": ess, "ess_ratio": ratio, "lr_scale": scale, "num_seqs": n,
-                           "skipped": float(reason > 0), "skip_reason": float(reason)}
+        self.vcpo_stats = {"ess": ess, "ess_ratio": ratio, "lr_scale": scale, "batch_lr_scale": scale,
+                           "num_seqs": n, "skipped": float(reason > 0), "skip_reason": float(reason)}
         return scale
 
     @torch.no_grad()
@@ -208,5 +211,7 @@ class VCPOAdamW(torch.optim.AdamW):
             warnings.warn(f"VCPOAdamW: step skipped, not finite: {skip_names(self.vcpo_stats['skip_reason'])}")
             self.zero_grad()  # as verl's actor does for a non-finite gradient norm
             return None
+        if self.lr_scale_ema:
+            scale = self.vcpo_stats["lr_scale"] = smoothed_lr_scale(self, scale, self.lr_scale_ema)
         with scale_lr(self, scale):
             return super().step(closure)

@@ -15,6 +15,7 @@ from vcpo.config import VCPOConfig
 
 from .engines.interface import ENGINE_MODES
 from .gguf_models import is_gguf
+from .lr_schedule import LR_SCHEDULES
 from .report import parse_report_to
 
 # The update rules offered for comparison; each is a VCPOConfig (docs/trainer.md, "Update rules").
@@ -126,6 +127,11 @@ class TrainConfig:
              "command line one flag each, e.g. --is-level sequence")
     lr: Optional[float] = setting(None, group=UPDATE,
         help=f"AdamW learning rate (default: {_short(BUILTIN_LR)} on the tiny model, else {_short(MODEL_LR)})")
+    lr_schedule: str = setting("constant", group=UPDATE,
+        help=f"the lr over the steps: {', '.join(LR_SCHEDULES)} (cosine, linear: a decay from lr to lr_min_ratio x lr "
+             "at the last step)")
+    lr_warmup_steps: int = setting(0, group=UPDATE, help="steps of a linear warm-up of the lr from lr / lr_warmup_steps")
+    lr_min_ratio: float = setting(0.1, group=UPDATE, help="the lr at the last step of a decay, as a fraction of lr")
     weight_decay: float = setting(0.0, group=UPDATE, help="AdamW")
     max_skipped_steps: int = setting(10, group=UPDATE, resumable=True,
         help="steps in a row skipped as non-finite (loss, gradient norm or lr scale) that stop the run, after a "
@@ -228,7 +234,7 @@ class TrainConfig:
             raise ValueError(f"chat_template must be auto, none or a Jinja template file, got {self.chat_template!r}")
         if self.chat_template not in ("auto", "none") and not os.path.isfile(self.chat_template):
             raise ValueError(f"chat_template: no such Jinja template file {self.chat_template!r} (or: auto, none)")
-        for name in ("max_staleness", "eval_every", "eval_size", "seed", "warm_start_steps"):
+        for name in ("max_staleness", "eval_every", "eval_size", "seed", "warm_start_steps", "lr_warmup_steps"):
             positive_int(name, 0)
         if self.max_new_tokens is not None:
             positive_int("max_new_tokens")
@@ -239,6 +245,11 @@ class TrainConfig:
         positive_float("gpu_memory_utilization")
         if self.lr is not None:
             positive_float("lr")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule must be one of {list(LR_SCHEDULES)}, got {self.lr_schedule!r}")
+        if isinstance(self.lr_min_ratio, bool) or not isinstance(self.lr_min_ratio, (int, float)) or \
+                not 0 <= self.lr_min_ratio <= 1:
+            raise ValueError(f"lr_min_ratio must be a number in [0, 1], got {self.lr_min_ratio!r}")
         if self.loss not in LOSS_PRESETS:
             raise ValueError(f"loss must be one of {list(LOSS_PRESETS)}, got {self.loss!r}")
         if self.engine not in ENGINE_MODES:

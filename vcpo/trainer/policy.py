@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 from dataclasses import replace
+from functools import partial
 from typing import Optional
 
 import torch
@@ -25,6 +26,7 @@ from vcpo.step import RolloutBatch
 from . import lora
 from .config import TrainConfig
 from .errors import NonFiniteError
+from .lr_schedule import lr_factor
 from .placement.fsdp import full_optimizer_state, full_weights, load_full_optimizer_state, shard
 from .placement.ranks import TrainerRanks
 from .rollouts import Rollout, pad_rollouts
@@ -47,6 +49,9 @@ class Policy:
         self.optimizer = torch.optim.AdamW(trainable, lr=cfg.resolved_lr(), weight_decay=cfg.weight_decay)
         self.placement.use_optimizer(self.optimizer, os.path.join(path, "optimizer.pt") if resume else None)
         self.vcpo_config = cfg.vcpo_config()
+        self.lr_at = partial(lr_factor, steps=cfg.steps, schedule=cfg.lr_schedule, warmup_steps=cfg.lr_warmup_steps,
+                             min_ratio=cfg.lr_min_ratio)
+        self.base_lr = cfg.resolved_lr()
         self.groups, self.group_size = cfg.prompts_per_step, cfg.responses_per_prompt
         self._trainable = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         bad = self._nonfinite(dict(self.model.named_parameters()))
@@ -63,10 +68,15 @@ class Policy:
         """The model folder the engine starts from, for a run that starts from `start` (its base model `base`)."""
         return self.trained.engine_model(start, base)
 
-    def step(self, batch: RolloutBatch) -> dict:
-        """vcpo.step on this rank's share; the proximal policy of PPO clipping is the behaviour policy."""
+    def step(self, batch: RolloutBatch, number: int) -> dict:
+        """vcpo.step on this rank's share, as optimizer step `number` of the run (1-based: its scheduled lr); the
+        proximal policy of PPO clipping is the behaviour policy. The metrics add `lr`, the step's lr with its ESS
+        scale (0 for a skipped step)."""
         if self.vcpo_config.clip_ratio is not None:
             batch = replace(batch, old_logp=batch.behavior_logp)
+        lr = self.base_lr * self.lr_at(number)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.model.train()
         metrics = vcpo.step(self.model, self.optimizer, batch, self.vcpo_config, process_group=self.process_group)
         # Every rank checks (the ranks agree: the same weights, or the shards' result reduced) and gathers; then
@@ -77,6 +87,7 @@ class Policy:
             raise NonFiniteError(f"the weights are not finite after a step with a finite loss, gradient and lr scale "
                                  f"({bad}: a NaN or an infinity): nothing of them was sent to the engine or saved; "
                                  "the newest checkpoint holds finite weights")
+        metrics["lr"] = 0.0 if metrics["skipped"] else lr * metrics["lr_scale"]
         return metrics
 
     def _nonfinite(self, tensors: dict) -> Optional[str]:

@@ -31,8 +31,8 @@ from .rewards import reward_metrics
 from .task import Problems, Task, run_problems
 
 # the metrics of vcpo.step copied into each metrics.jsonl line
-STEP_METRICS = ("loss", "ess_ratio", "lr_scale", "is_clip_fraction", "mean_is_coef", "kl_k3", "ppo_clip_fraction",
-                "grad_norm", "grad_sq_norm_mean", "baseline_mean", "advantage_abs_mean", "skipped", "skip_reason")
+STEP_METRICS = ("loss", "ess_ratio", "lr_scale", "batch_lr_scale", "is_clip_fraction", "mean_is_coef", "kl_k3",
+                "ppo_clip_fraction", "grad_norm", "grad_sq_norm_mean", "baseline_mean", "advantage_abs_mean", "skipped", "skip_reason")
 # after a stop request and its checkpoint: how long the rollout threads get to end once their generation is aborted
 STOP_WAIT_S = 2.0
 
@@ -49,6 +49,9 @@ def resume_config(run_dir: str, **overrides) -> TrainConfig:
     for key, value in overrides.items():
         if key not in RESUMABLE and value != saved.get(key):
             raise ValueError(f"resume: {key} cannot change on resume (run has {saved.get(key)!r}, got {value!r})")
+    if saved.get("lr_schedule", "constant") != "constant" and overrides.get("steps", saved["steps"]) != saved["steps"]:
+        raise ValueError(f"resume: steps cannot change on resume with lr_schedule {saved['lr_schedule']} (run has "
+                         f"{saved['steps']}, got {overrides['steps']}): its decay ends at the run's last step")
     return make_config(saved, **{**overrides, "output_dir": run_dir})
 
 
@@ -78,8 +81,10 @@ def _follow(cfg: TrainConfig, ranks: TrainerRanks, resume: bool) -> None:
         ranks.barrier()  # rank 0 checked the run folder and made the model (the built-in one is cached)
         start = RunFolder.latest_checkpoint(cfg.output_dir) if resume else run_problems(cfg, print).model_dir
         policy = Policy(start, cfg, ranks, resume=resume)
+        number = LoopState.load(start).step if resume else 0
         while (share := ranks.receive()) is not None:
-            policy.step(share)
+            number += 1
+            policy.step(share, number)
 
 
 def _train(cfg: TrainConfig, ranks: TrainerRanks, resume: bool, log: Callable[[str], None], progress: bool) -> dict:
@@ -140,7 +145,7 @@ def _train(cfg: TrainConfig, ranks: TrainerRanks, resume: bool, log: Callable[[s
                         break
                     waited = time.perf_counter() - waited
                     row = _train_step(policy, ranks, task.pad_id, producer, engine, batch, state, clock, waited,
-                                      cfg, interrupt)
+                                      interrupt)
                     run.log_step(row, batch.rollouts)
                     skipped = skipped + [row] if row["skipped"] else []
                     if skipped:
@@ -228,14 +233,13 @@ def _stop_producer(producer: RolloutProducer, engine: Engine, log: Callable[[str
 
 
 def _train_step(policy: Policy, ranks: TrainerRanks, pad_id: int, producer: RolloutProducer, engine: Engine,
-                batch: GeneratedBatch, state: LoopState, clock: Clock, waited: float, cfg: TrainConfig,
-                interrupt: Interrupt) -> dict:
+                batch: GeneratedBatch, state: LoopState, clock: Clock, waited: float, interrupt: Interrupt) -> dict:
     """vcpo.step on `batch` (after `waited` seconds for it; every rank on its share), the new weights published
     to the engine; the metrics.jsonl line of the step. A skipped step (non-finite) consumes its batch too: its
     version has the weights of the one before."""
     t_train = time.perf_counter()
     rb = policy.rollout_batch(batch.rollouts, pad_id)
-    m = policy.step(ranks.scatter(rb))
+    m = policy.step(ranks.scatter(rb), state.step + 1)
     state.step += 1
     paced = producer.publish(state.step, policy.weights(), should_stop=lambda: interrupt.requested)
     now = time.perf_counter() - paced
@@ -250,7 +254,7 @@ def _train_step(policy: Policy, ranks: TrainerRanks, pad_id: int, producer: Roll
         "accuracy": sum(r.correct for r in batch.rollouts) / len(batch.rollouts),
         "response_length": float(rb.loss_mask.sum(1).float().mean()),
         **{k: m[k] for k in STEP_METRICS}, **reward_metrics(batch.rollouts),
-        "lr": 0.0 if m["skipped"] else cfg.resolved_lr() * m["lr_scale"],
+        "lr": m["lr"],
         "wait_seconds": waited + paced, "train_seconds": now - t_train,
         "generate_seconds_total": generate_seconds, "sync_seconds_total": stats.sync_seconds,
         "syncs": stats.syncs, **engine.metrics(batch.rollouts),
