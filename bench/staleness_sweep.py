@@ -63,13 +63,17 @@ ABLATIONS = {
     "vcpo-c4": ["--loss", "vcpo", "--is-threshold", "4"],  # truncation at C = 4 instead of 8
     "vcpo-lr-ema-0.9": ["--loss", "vcpo", "--lr-scale-ema", "0.9"],  # the lr scale averaged over about 20 steps
 }
-# VCPO with the lr decayed over the run (`lr_schedule`): issue 27 point 5, in bench/time_to_accuracy.py's main job
+# The rules above at a constant lr, the only schedule before 0eb50e8 (every summary of rule r at an older commit ran at
+# a constant lr); these with the lr decayed over the run, `vcpo train`'s default since (issue 27 point 5).
 SCHEDULES = {
     "vcpo-cosine": ["--loss", "vcpo", "--lr-schedule", "cosine"],  # cosine from lr to 0.1 x lr at the last step
+    "grpo-cosine": ["--loss", "grpo", "--lr-schedule", "cosine"],
 }
 GRID = list(RULES)
 RULES.update(OPOB_VARIANTS)
 RULES.update(ABLATIONS)
+for argv in RULES.values():
+    argv += ["--lr-schedule", "constant"]
 RULES.update(SCHEDULES)
 CONTROL = "@vcpo-lr"  # suffix of a control run: the rule at lr x VCPO's median lr scale (same k, same seed)
 # vcpo-no-ess at VCPO's lr: OPOB at a constant lr, the cell that splits the k = 16 gap between OPOB and the lr's moves
@@ -194,6 +198,20 @@ def code_commit() -> str:
     return head + ("-dirty" if changed else "")
 
 
+def machine() -> str:
+    """What a run's numerics depend on beyond the code and the seed: the CPU, its core count and the vector
+    instructions torch's CPU kernels use. A seed fixes an exact-staleness run on one machine only: the same commit
+    and seed took another path on another machine (bench/RESULTS.md, "The k = 16 gap on one machine")."""
+    import platform
+
+    import torch
+
+    model = platform.processor() or platform.machine()
+    with open("/proc/cpuinfo") as f:
+        model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    return f"{model}, {os.cpu_count()} cores, {torch.backends.cpu.get_cpu_capability()}"
+
+
 def summary_path(args, run: Run) -> str:
     return os.path.join(args.summaries, run.name + ".json")
 
@@ -241,7 +259,7 @@ def summarize(folder: str, run: Run, args, commit: str) -> dict:
             "collapsed_at": collapse, "ess_lead": ess_lead(ess, collapse, window),
             "ess_median": statistics.median(ess), "lr_scale_median": statistics.median(r["lr_scale"] for r in rows),
             "mean_lag": statistics.fmean(r["lag"] for r in rows), "lr": config["lr"], "base_lr": args.lr,
-            "wall_s": summary["wall_seconds"], "commit": commit, "train_args": args.train_args,
+            "wall_s": summary["wall_seconds"], "commit": commit, "machine": machine(), "train_args": args.train_args,
             "evals": evals, "rewards": [round(v, 5) for v in rewards], "ess": [round(v, 5) for v in ess],
             "lr_scale": [round(r["lr_scale"], 5) for r in rows], "wall": [round(r["wall_seconds"], 2) for r in rows]}
 

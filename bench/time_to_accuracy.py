@@ -2,7 +2,8 @@
 k = 4 (the main job) and k = 16, in the main job's default mode and placement (k only bounds the lag, the engine
 generates ahead on its own core, so asynchrony buys speed), several seeds, the main job's 1500 steps.
 
-    .venv/bin/python bench/time_to_accuracy.py --out runs/wallclock --seeds 0,1,2,3,4
+    .venv/bin/python bench/time_to_accuracy.py --out runs/wallclock --seeds 0,1,2,3,4      # at a constant lr
+    .venv/bin/python bench/time_to_accuracy.py --cells vcpo-cosine:4,grpo-cosine:0 ...     # the default cosine lr
     .venv/bin/python bench/time_to_accuracy.py --cells vcpo:4 --seeds 5      # one more run of one cell
     .venv/bin/python bench/time_to_accuracy.py --report-only                  # the tables in bench/RESULTS.md
 
@@ -35,7 +36,8 @@ from staleness_sweep import RULES, Run, mean_ci, read_summary, sweep  # noqa: E4
 THRESHOLD = 0.35
 THRESHOLD_EVALS = 3
 CELLS = ["vcpo:4", "grpo:0", "vcpo:0", "vcpo:16"]  # per seed, the main job first
-REFERENCES = ("grpo:0", "vcpo:0")  # the synchronous cells every other cell's speed-up is measured against
+# the synchronous cells every other cell of the same lr schedule (a "-cosine" rule or not) is measured against
+REFERENCES = ("grpo:0", "vcpo:0", "grpo-cosine:0")
 SUMMARIES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "wallclock")
 LATE_PART = 3  # the late evaluations: those of the last third of the versions
 FALL_WINDOW = 50  # steps in the training reward's trailing mean for its falls
@@ -116,9 +118,12 @@ def speedups(summaries: dict[Run, dict], cells: list[str], threshold: float = TH
     The geometric mean of the ratios where both reached it, with its 95% interval (a t interval of the log
     ratios); the seeds where only one of the two reached it are listed apart."""
     rows = []
+    def cosine(cell: str) -> bool:
+        return cell.partition(":")[0].endswith("-cosine")
+
     for ref in REFERENCES:
         for cell in cells:
-            if cell == ref:
+            if cell == ref or cosine(cell) != cosine(ref):
                 continue
             logs, only_ref, only_cell, neither = [], [], [], []
             for run, d in sorted(summaries.items(), key=lambda x: x[0].seed):

@@ -165,6 +165,9 @@ def test_summaries_carry_the_facts_and_outlive_the_run_folders(tmp_path, monkeyp
     assert summary["evals"] == [[20, 1.0, pytest.approx(0.6)]]
     assert summary["wall"] == [pytest.approx(0.05 * t) for t in range(1, 21)]
     assert len(summary["commit"]) >= 40  # this repository's HEAD
+    import torch
+
+    assert summary["machine"].endswith(f", {os.cpu_count()} cores, {torch.backends.cpu.get_cpu_capability()}")
 
     for run in sweep.plan(args.rules, args.ks, args.seeds, args.control_ks):  # the run folders are lost
         shutil.rmtree(tmp_path / run.name)
@@ -306,8 +309,9 @@ def test_every_rule_is_the_loss_it_names(monkeypatch):
     assert changed["vcpo-lr-linear"] == {"lr_rule": "linear"}
     assert changed["vcpo-c4"] == {"is_threshold": 4.0}
     assert changed["vcpo-lr-ema-0.9"] == {"lr_scale_ema": 0.9}
-    assert changed["vcpo-cosine"] == {} and schedules["vcpo-cosine"] == "cosine"
-    assert {r for r, s in schedules.items() if s != "constant"} == {"vcpo-cosine"}
+    assert changed["vcpo-cosine"] == {} and vars(configs["grpo-cosine"]) == vars(configs["grpo"])
+    assert {r for r, s in schedules.items() if s != "constant"} == {"vcpo-cosine", "grpo-cosine"}
+    assert {schedules["vcpo-cosine"], schedules["grpo-cosine"]} == {"cosine"}
     assert base["advantage"] == "opob" and base["lr_rule"] == "sqrt" and base["is_threshold"] == 8.0
     assert sweep.GRID == [r for r in sweep.RULES
                           if r not in {**sweep.OPOB_VARIANTS, **sweep.ABLATIONS, **sweep.SCHEDULES}]

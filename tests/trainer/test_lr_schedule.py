@@ -56,16 +56,16 @@ def read_jsonl(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
-def test_a_run_steps_at_the_scheduled_lr_times_the_ess_scale_across_a_resume(monkeypatch, tmp_path):
+def test_a_run_steps_at_the_scheduled_lr_times_the_ess_scale_across_a_resume(monkeypatch, tmp_path, capsys):
     """12 steps of cosine with 3 of warm-up, stopped by SIGTERM with batch 6 in flight and resumed: every step's
     logged lr is lr x factor x lr_scale, and the AdamW of each checkpoint holds its step's scheduled lr (scale_lr
-    restores it after the step). A resume may not change `steps`: the decay ends at the run's last step."""
+    restores it after the step). Then extended to 16 steps: the decay's end moves to step 16, as the resume says."""
     from contextlib import contextmanager
 
     from vcpo.trainer import make_config
     from vcpo.trainer import run as run_module
 
-    engines = iter([FakeEngine(block_from=6), FakeEngine()])
+    engines = iter([FakeEngine(block_from=6), FakeEngine(), FakeEngine()])
 
     @contextmanager
     def fake_start_engine(cfg, **kwargs):
@@ -79,8 +79,6 @@ def test_a_run_steps_at_the_scheduled_lr_times_the_ess_scale_across_a_resume(mon
     assert run_module.train(cfg, progress=False)["interrupted"]
     stopped = len(read_jsonl(f"{folder}/metrics.jsonl"))
     assert 4 <= stopped < 12
-    with pytest.raises(ValueError, match="steps cannot change on resume with lr_schedule cosine"):
-        run_module.resume_config(folder, steps=20)
     run_module.train(run_module.resume_config(folder), resume=True, progress=False)
     rows = read_jsonl(f"{folder}/metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 13))
@@ -91,3 +89,11 @@ def test_a_run_steps_at_the_scheduled_lr_times_the_ess_scale_across_a_resume(mon
     for step in (stopped, 12):
         saved = torch.load(f"{folder}/checkpoints/step-{step:06d}/optimizer.pt", weights_only=True)
         assert saved["param_groups"][0]["lr"] == pytest.approx(1e-3 * lr_factor(step, 12, "cosine", 3, 0.2))
+    capsys.readouterr()
+    run_module.train(run_module.resume_config(folder, steps=16), resume=True, progress=False)
+    assert (f"lr_schedule cosine: the lr decays to 0.2 x lr at step 16; step 13 is at "
+            f"{lr_factor(13, 16, 'cosine', 3, 0.2):.3g} x lr") in capsys.readouterr().out
+    rows = read_jsonl(f"{folder}/metrics.jsonl")[12:]
+    assert [r["step"] for r in rows] == [13, 14, 15, 16]
+    for r in rows:
+        assert r["lr"] == pytest.approx(1e-3 * lr_factor(r["step"], 16, "cosine", 3, 0.2) * r["lr_scale"], rel=1e-12)

@@ -16,7 +16,8 @@ pytest.importorskip("vllm")
 
 COMMON = ["--engine", "process", "--prompts-per-step", "4", "--responses-per-prompt", "4", "--eval-size", "16",
           "--eval-every", "0", "--checkpoint-every", "2", "--warm-start-steps", "30", "--no-progress",
-          "--max-staleness", "0", "--lr-warmup-steps", "8",  # each step at its own lr, on every rank and resume
+          "--max-staleness", "0", "--lr-schedule", "constant",  # the chain's resumes change `steps`
+          "--lr-warmup-steps", "8",  # each step at its own lr, on every rank and resume
           "--lr-scale-ema", "0.5"]  # the smoothed scale's state: in every rank's optimizer and its checkpoints
 COMPARED = ("reward", "loss", "ess_ratio", "lr_scale", "lr", "grad_norm", "grad_sq_norm_mean", "baseline_mean",
             "advantage_abs_mean")

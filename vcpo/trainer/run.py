@@ -49,9 +49,6 @@ def resume_config(run_dir: str, **overrides) -> TrainConfig:
     for key, value in overrides.items():
         if key not in RESUMABLE and value != saved.get(key):
             raise ValueError(f"resume: {key} cannot change on resume (run has {saved.get(key)!r}, got {value!r})")
-    if saved.get("lr_schedule", "constant") != "constant" and overrides.get("steps", saved["steps"]) != saved["steps"]:
-        raise ValueError(f"resume: steps cannot change on resume with lr_schedule {saved['lr_schedule']} (run has "
-                         f"{saved['steps']}, got {overrides['steps']}): its decay ends at the run's last step")
     return make_config(saved, **{**overrides, "output_dir": run_dir})
 
 
@@ -100,6 +97,9 @@ def _train(cfg: TrainConfig, ranks: TrainerRanks, resume: bool, log: Callable[[s
         if start:
             run.rewind(state.step)
             log(f"resuming {run.path} from step {state.step} ({len(state.pending)} generated batches pending)")
+            if cfg.lr_schedule != "constant":
+                log(f"lr_schedule {cfg.lr_schedule}: the lr decays to {cfg.lr_min_ratio} x lr at step {cfg.steps}; "
+                    f"step {state.step + 1} is at {policy.lr_at(state.step + 1):.3g} x lr")
         else:
             run.write_json("config.json", _resolved_settings(cfg, problems, task))
             with open(run.file("prompt_example.txt"), "w") as f:
