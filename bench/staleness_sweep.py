@@ -68,6 +68,7 @@ ABLATIONS = {
 SCHEDULES = {
     "vcpo-cosine": ["--loss", "vcpo", "--lr-schedule", "cosine"],  # cosine from lr to 0.1 x lr at the last step
     "grpo-cosine": ["--loss", "grpo", "--lr-schedule", "cosine"],
+    "vcpo-no-opob-cosine": ["--loss", "vcpo", "--no-opob", "--lr-schedule", "cosine"],
 }
 GRID = list(RULES)
 RULES.update(OPOB_VARIANTS)
