@@ -73,8 +73,7 @@ SCHEDULES = {
 GRID = list(RULES)
 RULES.update(OPOB_VARIANTS)
 RULES.update(ABLATIONS)
-for argv in RULES.values():
-    argv += ["--lr-schedule", "constant"]
+RULES = {name: [*argv, "--lr-schedule", "constant"] for name, argv in RULES.items()}
 RULES.update(SCHEDULES)
 CONTROL = "@vcpo-lr"  # suffix of a control run: the rule at lr x VCPO's median lr scale (same k, same seed)
 # vcpo-no-ess at VCPO's lr: OPOB at a constant lr, the cell that splits the k = 16 gap between OPOB and the lr's moves

@@ -74,8 +74,8 @@ def test_a_run_steps_at_the_scheduled_lr_times_the_ess_scale_across_a_resume(mon
     monkeypatch.setattr(run_module, "start_engine", fake_start_engine)
     folder = str(tmp_path / "run")
     cfg = make_config(output_dir=folder, steps=12, engine="inprocess", prompts_per_step=2, responses_per_prompt=2,
-                      max_new_tokens=4, eval_size=0, warm_start_steps=0, checkpoint_every=4, keep_checkpoints=5, lr=1e-3,
-                      lr_schedule="cosine", lr_warmup_steps=3, lr_min_ratio=0.2, max_staleness=1)
+                      max_new_tokens=4, eval_size=0, warm_start_steps=0, checkpoint_every=4, keep_checkpoints=5,
+                      lr=1e-3, lr_schedule="cosine", lr_warmup_steps=3, lr_min_ratio=0.2, max_staleness=1)
     assert run_module.train(cfg, progress=False)["interrupted"]
     stopped = len(read_jsonl(f"{folder}/metrics.jsonl"))
     assert 4 <= stopped < 12

@@ -130,7 +130,8 @@ class TrainConfig:
     lr_schedule: str = setting("cosine", group=UPDATE,
         help=f"the lr over the steps: {', '.join(LR_SCHEDULES)} (cosine, linear: a decay from lr to lr_min_ratio x lr "
              "at the last step, `steps`; bench/RESULTS.md, \"The main job with a decaying lr\")")
-    lr_warmup_steps: int = setting(0, group=UPDATE, help="steps of a linear warm-up of the lr from lr / lr_warmup_steps")
+    lr_warmup_steps: int = setting(0, group=UPDATE,
+        help="steps of a linear warm-up of the lr from lr / lr_warmup_steps")
     lr_min_ratio: float = setting(0.1, group=UPDATE, help="the lr at the last step of a decay, as a fraction of lr")
     weight_decay: float = setting(0.0, group=UPDATE, help="AdamW")
     max_skipped_steps: int = setting(10, group=UPDATE, resumable=True,
