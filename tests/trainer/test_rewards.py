@@ -140,7 +140,8 @@ def test_the_power_tower_times_out_and_the_process_stays_responsive(name, tower)
     """math-verify on 9^{9^{9}} computes a huge integer while holding the interpreter lock: in `vcpo train` that
     froze the process, SIGTERM included. In a worker process it is a timed-out call and its worker is killed,
     while this process keeps running (a thread here ticks all along), and the other calls of the batch give what
-    direct calls give."""
+    direct calls give. Nothing here bounds the wall time from above (the machine may be loaded): that the call was
+    cut short is its TimeoutError and the killed worker, that this process kept running is the ticker."""
     ticks = []
     stop = threading.Event()
 
@@ -163,9 +164,10 @@ def test_the_power_tower_times_out_and_the_process_stays_responsive(name, tower)
         assert "worker was killed" in results[0].error
         assert [r.reward for r in results[1:]] == [BUILTIN_REWARDS[name](r, a) for r, a, _, _ in cases]
         assert all(r.error is None for r in results[1:])
-        assert 2.0 <= elapsed < 5.0
-        during = [t for t in ticks if t0 <= t <= t0 + elapsed]
-        assert len(during) >= 0.5 * elapsed / 0.01  # the ticker ran all along: nothing held this process
+        assert elapsed >= 2.0  # the tower call ran until its timeout (a lower bound the timeout guarantees)
+        # The ticker ran all along: frozen by the computation, it would stop for the whole call (elapsed >= 2 s).
+        during = [t0] + [t for t in ticks if t0 <= t <= t0 + elapsed] + [t0 + elapsed]
+        assert max(b - a for a, b in zip(during, during[1:])) < elapsed / 2
         assert pool.score([RewardJob(0, "\\boxed{7}", "7", {})] * 2)[0].reward == 1.0  # the replacement answers
     assert math_reward("\\boxed{9^{9^{9}}}", "109") == 0.0  # strict, a number as gold: no math-verify at all
 
@@ -220,15 +222,12 @@ def test_three_argument_dict_and_async_functions():
 def test_concurrency_is_bounded_by_workers_and_workers_start_once():
     with RewardPool(f"{FNS}:timed", workers=3, timeout=10) as pool:
         _start(pool)
-        t0 = time.perf_counter()
         results = pool.score(_jobs(12))
-        elapsed = time.perf_counter() - t0
         again = pool.score(_jobs(6))
     assert [r.reward for r in results] == [1.0] * 12
     spans = [(r.extras["start"], r.extras["end"]) for r in results]
     most = max(sum(s <= t < e for s, e in spans) for t, _ in spans)  # calls running at each call's start
-    assert most == 3  # concurrent, never more than the bound
-    assert elapsed < 12 * 0.05  # faster than one at a time
+    assert most == 3  # concurrent (so faster than one at a time), never more than the bound
     assert len({r.extras["pid"] for r in results + again}) == 3  # the same 3 processes throughout
     assert os.getpid() not in {r.extras["pid"] for r in results}
 
@@ -236,9 +235,8 @@ def test_concurrency_is_bounded_by_workers_and_workers_start_once():
 def test_async_concurrency_is_bounded_by_workers():
     reward_fns.STATE.update(now=0, most=0)
     with RewardPool(f"{FNS}:counted", workers=3, timeout=10) as pool:
-        t0 = time.perf_counter()
         assert [r.reward for r in pool.score(_jobs(12))] == [1.0] * 12
-    assert reward_fns.STATE["most"] == 3 and time.perf_counter() - t0 < 12 * 0.05
+    assert reward_fns.STATE["most"] == 3  # 3 calls at once (so faster than one at a time), never more
 
 
 def test_errors_zero_scores_failures_0_and_logs_their_uids(caplog):
