@@ -92,12 +92,10 @@ def _step_on_rank(rank):
 
 
 def _step_setup():
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16)
-    config._attn_implementation = "eager"
-    model = transformers.LlamaForCausalLM(config).double().eval()
+    pytest.importorskip("transformers")
+    from support.tiny_models import tiny_llama
+
+    model = tiny_llama(num_hidden_layers=1, max_position_embeddings=16)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(1, 40, (6, 8), generator=g)
     attention = torch.ones(6, 8, dtype=torch.long)
@@ -152,15 +150,13 @@ DP_MICRO = (None, 2)
 def _dp_setup(case):
     """A tiny float64 Llama and 8 rollouts; `prompt` tokens of each row do not count (a row whose prompt fills it
     counts none); rank 1's rows are padded to their own longest, shorter than rank 0's."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
+    from support.tiny_models import tiny_llama
+
     groups, lengths, prompt = DP_CASES[case]
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16)
     # sdpa: the eager path's softmax runs in float32, so rows padded to other widths (the ranks', the micro-batches')
     # differed from the whole batch by float32 rounding (2e-6 relative with transformers 5.19), not float64's.
-    config._attn_implementation = "sdpa"
-    model = transformers.LlamaForCausalLM(config).double().eval()
+    model = tiny_llama(num_hidden_layers=1, max_position_embeddings=16, attention="sdpa")
     g = torch.Generator().manual_seed(2)
     b, t = 8, 10
     ids = torch.randint(1, 40, (b, t), generator=g)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 import vcpo
 from support.ranks import on_ranks
+from support.tiny_models import TINY_SHAPE, tiny_llama
 from vcpo.grad_norms import PerSequenceGradients
 from vcpo.step import token_logp
 
@@ -26,17 +27,13 @@ LENGTHS = [8, 6, 7, 5, 8, 8, 4, 7]  # rank 0 holds rows 0-3, rank 1 rows 4-7: un
 
 
 def _model(name):
+    """The tiny Llama (tied or not) in float32, or a Qwen2 of its shape; 16 positions."""
+    if name != "qwen2":
+        return tiny_llama(tied=name == "llama-tied", dtype=torch.float32, max_position_embeddings=16)
     torch.manual_seed(0)
-    shape = dict(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=1, max_position_embeddings=16)
-    if name == "qwen2":
-        config = transformers.Qwen2Config(**shape, tie_word_embeddings=False)
-        model = transformers.Qwen2ForCausalLM
-    else:
-        config = transformers.LlamaConfig(**shape, tie_word_embeddings=name == "llama-tied")
-        model = transformers.LlamaForCausalLM
+    config = transformers.Qwen2Config(**{**TINY_SHAPE, "max_position_embeddings": 16}, tie_word_embeddings=False)
     config._attn_implementation = "eager"
-    return model(config).eval()
+    return transformers.Qwen2ForCausalLM(config).eval()
 
 
 def _batch():

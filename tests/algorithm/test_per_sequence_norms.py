@@ -96,10 +96,11 @@ def test_packed_tokenwise_model(tied):
 
 def _hf_models():
     transformers = pytest.importorskip("transformers")
-    small = dict(vocab_size=48, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=1, max_position_embeddings=32)
+    from support.tiny_models import TINY_SHAPE, tiny_llama_config
+
+    small = {**TINY_SHAPE, "vocab_size": 48}
     return {
-        "llama": transformers.LlamaConfig(**small),
+        "llama": tiny_llama_config(vocab_size=48),
         "qwen2-untied": transformers.Qwen2Config(**small, tie_word_embeddings=False),
         "qwen2-tied": transformers.Qwen2Config(**small, tie_word_embeddings=True),
         "gpt2": transformers.GPT2Config(vocab_size=48, n_embd=16, n_layer=2, n_head=2, n_positions=32,

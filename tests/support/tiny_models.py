@@ -1,5 +1,6 @@
 """Tiny models shared by several test files: a random tiny Llama of the built-in architecture saved as a folder, its
-log-probs recomputed by a plain forward, and a float64 2-layer Llama with a random rollout batch for vcpo.step."""
+log-probs recomputed by a plain forward, and a float64 2-layer Llama (its shape adjustable) with a random rollout
+batch for vcpo.step."""
 
 import torch
 import transformers
@@ -26,14 +27,24 @@ def logprobs(model, prompt, ids):
     return lp.gather(-1, torch.tensor(prompt + ids)[1:, None])[len(prompt) - 1:, 0]
 
 
-def tiny_llama(seed=0, tied=False):
-    """A random 2-layer Llama in float64 (vocab 40, hidden 16), eager attention."""
+# The tiny Llama's shape; other decoder configs (Qwen2's) take the same fields.
+TINY_SHAPE = dict(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=32)
+
+
+def tiny_llama_config(tied=False, attention="eager", **shape):
+    """The LlamaConfig of TINY_SHAPE, with the fields in `shape` replaced (a test that needs another size says so),
+    tied or untied embeddings, and the attention implementation `attention`."""
+    config = transformers.LlamaConfig(**{**TINY_SHAPE, **shape}, tie_word_embeddings=tied)
+    config._attn_implementation = attention
+    return config
+
+
+def tiny_llama(seed=0, tied=False, dtype=torch.float64, attention="eager", **shape):
+    """A random Llama (default: 2 layers, vocab 40, hidden 16; `shape` as in tiny_llama_config) drawn after
+    torch.manual_seed(seed), in `dtype` (default float64), eval mode, eager attention unless `attention` says."""
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
-                                      tie_word_embeddings=tied)
-    config._attn_implementation = "eager"
-    return transformers.LlamaForCausalLM(config).double().eval()
+    return transformers.LlamaForCausalLM(tiny_llama_config(tied, attention, **shape)).to(dtype).eval()
 
 
 def rollout_batch(model, with_old=False, seed=1):
