@@ -97,7 +97,11 @@ class TrainConfig:
         help="auto (the tokenizer's chat template, if it has one), none (prompts as written) or a Jinja template file")
     system_prompt: Optional[str] = setting(None, group=DATA,
         help="a system message before every prompt (needs a chat template)")
-    eval_size: int = setting(128, group=DATA, help="prompts held out for the greedy evaluation")
+    eval_size: int = setting(128, group=DATA,
+        help="prompts held out (seeded) for the greedy evaluation; not used with eval_data")
+    eval_data: Optional[str] = setting(None, group=DATA,
+        help="a separate held-out file or `datasets` folder (as data: same formats and fields): the greedy "
+             "evaluation uses every row of it, every row of data trains, and eval_size is not used")
     warm_start_steps: int = setting(220, group=DATA, help="built-in model: supervised steps before RL (cached)")
     output_dir: Optional[str] = setting(None, group=RUN, resumable=True,
         help="the run folder (default: runs/vcpo-<date>-<time>)")
@@ -267,6 +271,7 @@ class TrainConfig:
             raise ValueError(f"model must be a local Hugging Face model folder or a .gguf file, got {self.model!r}")
         if self.model is None and self.data is not None:
             raise ValueError("data needs model: the built-in tiny model only knows the built-in addition task")
+        self._validate_eval_data()
         for name in ("engine_cores", "trainer_cores"):
             v = getattr(self, name)
             if v is not None:
@@ -301,6 +306,18 @@ class TrainConfig:
         parse_report_to(self.report_to)
         self.vcpo_config()
         return self
+
+    def _validate_eval_data(self) -> None:
+        if self.eval_data is None:
+            return
+        if not isinstance(self.eval_data, str) or not self.eval_data:
+            raise ValueError(f"eval_data must be the path of a held-out .jsonl or .parquet file or `datasets` folder, "
+                             f"got {self.eval_data!r}")
+        if self.data is None:
+            raise ValueError("eval_data needs data (and model): the built-in task holds out eval_size of its own "
+                             "problems")
+        if not os.path.exists(self.eval_data):
+            raise ValueError(f"eval_data: no such file or folder {self.eval_data!r}")
 
     def _validate_sampling(self) -> None:
         if "temperature" in self.vcpo:

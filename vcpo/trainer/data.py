@@ -46,24 +46,24 @@ def addition_problems(count: int, digits: int, seed: int) -> list[Problem]:
     return out
 
 
-def _read_rows(path: str) -> list[tuple[dict, str]]:
+def _read_rows(path: str, setting: str = "data") -> list[tuple[dict, str]]:
     """The rows of a .jsonl or .parquet file, or of a `datasets` folder saved with save_to_disk (a DatasetDict
     folder: its train split, or its only one), each with where it is ("row 3 of PATH", plus "(line 5)" in a JSONL
-    file) for error messages."""
+    file) for error messages, which start with the name of the `setting` that gave the path."""
     if os.path.isdir(path):
         if not any(os.path.isfile(os.path.join(path, f)) for f in ("dataset_info.json", "dataset_dict.json")):
-            raise ValueError(f"data: {path!r} is a folder but not a `datasets` folder (save_to_disk)")
+            raise ValueError(f"{setting}: {path!r} is a folder but not a `datasets` folder (save_to_disk)")
         import datasets
 
         ds = datasets.load_from_disk(path)
         if isinstance(ds, datasets.DatasetDict):
             if "train" not in ds and len(ds) != 1:
-                raise ValueError(f"data: the `datasets` folder {path} holds the splits {sorted(ds)}: none is "
+                raise ValueError(f"{setting}: the `datasets` folder {path} holds the splits {sorted(ds)}: none is "
                                  "'train'; point data at the split's own folder")
             ds = ds["train"] if "train" in ds else next(iter(ds.values()))
         return [(row, f"row {i} of {path}") for i, row in enumerate(ds.to_list())]
     if not os.path.isfile(path):
-        raise ValueError(f"data: no such file or folder {path!r}")
+        raise ValueError(f"{setting}: no such file or folder {path!r}")
     if path.endswith(".jsonl"):
         rows = []
         with open(path, "rb") as f:  # bytes: a decoding error then names its line
@@ -71,19 +71,19 @@ def _read_rows(path: str) -> list[tuple[dict, str]]:
                 try:  # a byte-order mark at the start of the file is not part of the first row
                     line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
                 except UnicodeDecodeError as e:
-                    raise ValueError(f"data: {path}:{line_no} is not UTF-8 text (byte {raw[e.start:e.start + 1]!r} "
-                                     f"at byte {e.start + 1} of the line)") from None
+                    raise ValueError(f"{setting}: {path}:{line_no} is not UTF-8 text (byte "
+                                     f"{raw[e.start:e.start + 1]!r} at byte {e.start + 1} of the line)") from None
                 if line.strip():
                     try:
                         rows.append((json.loads(line), f"row {len(rows)} of {path} (line {line_no})"))
                     except json.JSONDecodeError as e:
-                        raise ValueError(f"data: {path}:{line_no} is not valid JSON ({e})") from None
+                        raise ValueError(f"{setting}: {path}:{line_no} is not valid JSON ({e})") from None
         return rows
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
         return [(row, f"row {i} of {path}") for i, row in enumerate(pq.read_table(path).to_pylist())]
-    raise ValueError(f"data must be a .jsonl or .parquet file or a `datasets` folder, got {path!r}")
+    raise ValueError(f"{setting} must be a .jsonl or .parquet file or a `datasets` folder, got {path!r}")
 
 
 def _kind(value) -> str:
@@ -101,7 +101,7 @@ def _kind(value) -> str:
     return f"a {type(value).__name__}"
 
 
-def _prompt(value, where: str, column: str) -> "str | tuple":
+def _prompt(value, where: str, column: str, setting: str = "data") -> "str | tuple":
     if isinstance(value, str):
         return value
     if isinstance(value, list) and value and all(
@@ -110,34 +110,35 @@ def _prompt(value, where: str, column: str) -> "str | tuple":
         return tuple({"role": m["role"], "content": m["content"]} for m in value)
     what = "a list that is not chat messages (dicts with a role and a content string)" \
         if isinstance(value, list) and value else _kind(value)
-    raise ValueError(f"data: {where}: the prompt ({column!r}) is {what}; a prompt must be a string or a list of "
-                     "chat messages")
+    raise ValueError(f"{setting}: {where}: the prompt ({column!r}) is {what}; a prompt must be a string or a list "
+                     "of chat messages")
 
 
-def _answer(value, where: str, column: str) -> "str | int | float":
+def _answer(value, where: str, column: str, setting: str = "data") -> "str | int | float":
     if isinstance(value, str) or (isinstance(value, numbers.Real) and not isinstance(value, bool)
                                   and math.isfinite(value)):
         return value
     what = f"{_kind(value)}, not finite" if isinstance(value, numbers.Real) and not isinstance(value, bool) \
         else _kind(value)
-    raise ValueError(f"data: {where}: the answer ({column!r}) is {what}; an answer must be a string or a finite "
-                     "number")
+    raise ValueError(f"{setting}: {where}: the answer ({column!r}) is {what}; an answer must be a string or a "
+                     "finite number")
 
 
-def load_problems(path: str, prompt_field: str, answer_field: str) -> list[Problem]:
+def load_problems(path: str, prompt_field: str, answer_field: str, setting: str = "data") -> list[Problem]:
     """The rows of `path` (_read_rows) with a prompt (a string, or chat messages) and an answer (a string or a
-    finite number); anything else is an error naming the file, the row and the field."""
-    rows = _read_rows(path)
+    finite number); anything else is an error naming the setting that gave the path (data, eval_data), the file,
+    the row and the field."""
+    rows = _read_rows(path, setting)
     if not rows:
-        raise ValueError(f"data: {path} holds no rows")
+        raise ValueError(f"{setting}: {path} holds no rows")
     problems = []
     for i, (row, where) in enumerate(rows):
         for name, column in (("prompt_field", prompt_field), ("answer_field", answer_field)):
             if not isinstance(row, dict) or column not in row:
-                raise ValueError(f"data: {where} has no field {column!r} (set {name}; its fields: "
+                raise ValueError(f"{setting}: {where} has no field {column!r} (set {name}; its fields: "
                                  f"{sorted(row) if isinstance(row, dict) else _kind(row)})")
-        problems.append(Problem(_prompt(row[prompt_field], where, prompt_field),
-                                _answer(row[answer_field], where, answer_field), row, i))
+        problems.append(Problem(_prompt(row[prompt_field], where, prompt_field, setting),
+                                _answer(row[answer_field], where, answer_field, setting), row, i))
     return problems
 
 
@@ -149,6 +150,17 @@ def split_problems(problems: Sequence[Problem], eval_size: int, seed: int) -> tu
     random.Random(seed).shuffle(order)
     held = set(order[:eval_size])
     return [p for i, p in enumerate(problems) if i not in held], [problems[i] for i in order[:eval_size]]
+
+
+def train_and_held_out(data: str, eval_data: Optional[str], prompt_field: str, answer_field: str, eval_size: int,
+                       seed: int) -> tuple[list[Problem], list[Problem]]:
+    """A user's data set as (train, held-out). Without eval_data: eval_size rows of `data` held out, seeded
+    (split_problems). With eval_data (a separate held-out file, in the same formats and with the same fields):
+    every row of `data` trains and every row of `eval_data` is held out; eval_size is not used."""
+    problems = load_problems(data, prompt_field, answer_field)
+    if eval_data is None:
+        return split_problems(problems, eval_size, seed)
+    return problems, load_problems(eval_data, prompt_field, answer_field, setting="eval_data")
 
 
 class PromptStream:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from . import tiny
 from .config import TrainConfig
-from .data import PromptFormat, PromptStream, addition_problems, load_problems, split_problems
+from .data import PromptFormat, PromptStream, addition_problems, split_problems, train_and_held_out
 from .gguf_models import model_folder
 from .rewards import CORRECT_REWARD, RewardJob, RewardPool
 from .rollouts import GeneratedBatch, Rollout
@@ -36,8 +36,11 @@ def run_problems(cfg: TrainConfig, log, make_model: bool = True) -> Problems:
     if cfg.data is None:
         raise ValueError("model needs data: a .jsonl or .parquet file or a `datasets` folder with prompt and answer "
                          "fields")
-    train, held = split_problems(load_problems(cfg.data, cfg.prompt_field, cfg.answer_field), cfg.eval_size,
-                                 cfg.seed)
+    train, held = train_and_held_out(cfg.data, cfg.eval_data, cfg.prompt_field, cfg.answer_field, cfg.eval_size,
+                                     cfg.seed)
+    if cfg.eval_data is not None:
+        log(f"held out: every row of eval_data {cfg.eval_data} ({len(held)} prompts); every row of data trains "
+            f"({len(train)}; eval_size is not used)")
     return Problems(train, held, model_folder(cfg.model, log) if make_model else cfg.model)
 
 
