@@ -23,7 +23,8 @@ import statistics
 import tempfile
 import time
 
-from bench_ranks import build as build_llama, share
+from bench_ranks import build as build_llama
+from common import share, status_mib
 
 MODELS = {  # hidden, intermediate, layers, heads, vocab, B, T
     "tiny": (256, 688, 4, 4, 10000, 16, 256),
@@ -41,12 +42,6 @@ def build(name: str):
                                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
                                       max_position_embeddings=t, tie_word_embeddings=False)
     return build_llama(config, b, t, PROMPT)
-
-
-def status_mib(field: str) -> float:
-    """A memory line of /proc/self/status: VmRSS (resident now) or VmHWM (its peak)."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) / 1024 for line in f if line.startswith(field + ":"))
 
 
 def run(rank: int, world: int, init: str, name: str, options: dict, rounds: int, out: str, bf16: bool) -> None:

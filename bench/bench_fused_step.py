@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 
-from memory import peak_rss_mib, rss_mib
+from common import peak_rss_mib, rss_mib
 
 CASES = ("unfused", "fused")
 

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+# bench/gpu_check.sh runs this with the GPU machine's own python, where vcpo is not installed but built in place
+# (setup.py build_ext --inplace): vcpo_kernels is imported from the repository root.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vcpo_kernels as vk  # noqa: E402
 

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 
-from memory import peak_rss_mib, rss_mib
+from common import peak_rss_mib, rss_mib
 
 CASES = ("eager", "compile", "liger grpo", "vcpo torch", "vcpo cpu")
 LIGER_SEQUENCES = 8  # Liger takes [B, T, H]: the N tokens as 8 sequences

@@ -14,13 +14,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bench_step import build, form_counts  # noqa: E402
+from bench_step import build
+from common import GRPO, form_counts, norm_forms
 
 
 def adapter_form_counts(forms: list) -> str:
@@ -47,18 +45,9 @@ def step_seconds(rank, loss: str, rounds: int, batch_size: int) -> dict:
                     p.normal_(0, 0.02)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-6)
-    config = vcpo.VCPOConfig() if loss == "vcpo" else vcpo.VCPOConfig(advantage="grpo", grad_norms="uniform",
-                                                                      lr_rule=None, is_correction="none")
-    forms, sq_norms = [], vcpo.PerSequenceGradients.sq_norms
-
-    def spy(psg):
-        out = sq_norms(psg)
-        forms.extend(psg.forms())
-        return out
-
-    vcpo.PerSequenceGradients.sq_norms = spy
-    vcpo.step(model, optimizer, batch, config)  # warm-up
-    vcpo.PerSequenceGradients.sq_norms = sq_norms
+    config = vcpo.VCPOConfig() if loss == "vcpo" else vcpo.VCPOConfig(**GRPO)
+    with norm_forms() as forms:
+        vcpo.step(model, optimizer, batch, config)  # warm-up
     times = []
     for _ in range(rounds):
         start = time.perf_counter()

@@ -21,11 +21,8 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import _cpu_seconds  # noqa: E402
-from memory import peak_rss_mib, rss_mib  # noqa: E402
+from common import cpu_seconds, other_cpu_seconds, peak_rss_mib, rss_mib
 
 B, T, PROMPT, GROUP = 16, 512, 64, 2
 # case -> (micro_batch_size, extra options)
@@ -96,7 +93,7 @@ def main() -> None:
         return
     # Rounds are interleaved across cases, so a slow spell of the machine hits every case alike.
     samples = {case: [] for case in CASES}
-    start, wall = _cpu_seconds(), time.perf_counter()
+    start, wall = cpu_seconds(), time.perf_counter()
     for r in range(args.rounds):
         for case in CASES:
             print(f"round {r + 1}/{args.rounds}: {case} ...", file=sys.stderr, flush=True)
@@ -105,8 +102,7 @@ def main() -> None:
             if out.returncode != 0:
                 sys.exit(f"case {case} failed:\n{out.stderr[-3000:]}")
             samples[case].append(json.loads(out.stdout.strip().splitlines()[-1]))
-    end, wall = _cpu_seconds(), time.perf_counter() - wall
-    foreign = (end[0] - start[0]) - (end[1] - start[1]) if start and end else float("nan")
+    foreign, wall = other_cpu_seconds(start, cpu_seconds()), time.perf_counter() - wall
     table = {case: dict(s=statistics.median(x["seconds"] for x in runs),
                         peak=statistics.median(x["peak_mib"] for x in runs),
                         grad_norm=runs[0]["grad_norm"]) for case, runs in samples.items()}

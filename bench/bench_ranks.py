@@ -16,6 +16,8 @@ import statistics
 import tempfile
 import time
 
+from common import share
+
 B, T, GROUP, PROMPT = 16, 256, 4, 32
 CONFIGS = {"vcpo (book-keeping)": {}, "vcpo, token-mean": {"loss_agg_mode": "token-mean"},
            "vcpo, two-pass": {"assembly": "two_pass"}}
@@ -44,17 +46,6 @@ def build(config=None, b: int = B, t: int = T, prompt: int = PROMPT):
     batch = vcpo.RolloutBatch(ids, attention, loss_mask, behavior, torch.randint(0, 2, (b,), generator=g).float(),
                               group_index=torch.arange(b) // GROUP, num_groups=b // GROUP)
     return model, batch
-
-
-def share(batch, rank: int, world: int):
-    """Rank `rank`'s prompt groups of `batch` (groups in order, as vcpo train scatters them)."""
-    import vcpo
-
-    b = batch.input_ids.shape[0]
-    rows = slice(rank * b // world, (rank + 1) * b // world)
-    return vcpo.RolloutBatch(batch.input_ids[rows], batch.attention_mask[rows], batch.loss_mask[rows],
-                             batch.behavior_logp[rows], batch.rewards[rows], group_index=batch.group_index[rows],
-                             num_groups=batch.num_groups)
 
 
 def steps(options: dict, rounds: int, rank: int = 0, world: int = 1, group=None):

@@ -20,15 +20,11 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import _cpu_seconds  # noqa: E402
-from memory import peak_rss_mib, rss_mib  # noqa: E402
-from real_model_run import gguf_path  # noqa: E402
+from common import GRPO, cpu_seconds, other_cpu_seconds, peak_rss_mib, rss_mib
+from real_model_run import gguf_path
 
 B, T, PROMPT, GROUP = 16, 256, 64, 4
-GRPO = dict(advantage="grpo", grad_norms="uniform", lr_rule=None, is_correction="none")
 # case -> (VCPOConfig options, micro_batch_size, activation checkpointing)
 CASES = {
     "grpo": (GRPO, None, False),
@@ -108,7 +104,7 @@ def main() -> None:
         sys.exit(f"unknown cases {unknown}; known: {list(CASES)}")
     model_folder()  # converted once, before the timed processes
     samples = {case: [] for case in cases}
-    start, wall = _cpu_seconds(), time.perf_counter()
+    start, wall = cpu_seconds(), time.perf_counter()
     for r in range(args.rounds):  # interleaved: a slow spell of the machine hits every case alike
         for case in cases:
             print(f"round {r + 1}/{args.rounds}: {case} ...", file=sys.stderr, flush=True)
@@ -118,8 +114,7 @@ def main() -> None:
             samples[case].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(f"  {samples[case][-1]['seconds']:.2f} s, {samples[case][-1]['peak_mib']:.0f} MiB", file=sys.stderr,
                   flush=True)  # a run cut short keeps its samples in the log
-    end, wall = _cpu_seconds(), time.perf_counter() - wall
-    foreign = (end[0] - start[0]) - (end[1] - start[1]) if start and end else float("nan")
+    foreign, wall = other_cpu_seconds(start, cpu_seconds()), time.perf_counter() - wall
     table = {case: dict(s=statistics.median(x["seconds"] for x in runs),
                         peak=statistics.median(x["peak_mib"] for x in runs)) for case, runs in samples.items()}
     first = samples[cases[0]][0]

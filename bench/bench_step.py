@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
 import time
 from typing import Optional
+
+from common import GRPO, form_counts, norm_forms, peak_rss_mib
 
 CASES = {
     "grpo": "plain GRPO step: one forward + backward",
@@ -108,24 +109,15 @@ def run_case(case: str, rounds: int, name: str, shape: Optional[tuple] = None) -
     model, batch = build(name, *shape) if shape else build(name)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.1)
     if case == "grpo":
-        config = vcpo.VCPOConfig(advantage="grpo", grad_norms="uniform", lr_rule=None, is_correction="none")
+        config = vcpo.VCPOConfig(**GRPO)
     elif case == "vcpo-two-pass":
         config = vcpo.VCPOConfig(assembly="two_pass")
     else:
         config = vcpo.VCPOConfig()
     fn = (lambda: brute_force_step(model, optimizer, batch, config)) if case == "brute-force" else (
         lambda: vcpo.step(model, optimizer, batch, config))
-    forms = []  # the warm-up step's norm forms, read as the step forms its norms (sq_norms)
-    sq_norms = vcpo.PerSequenceGradients.sq_norms
-
-    def spy(psg):
-        out = sq_norms(psg)
-        forms.extend(psg.forms())
-        return out
-
-    vcpo.PerSequenceGradients.sq_norms = spy
-    fn()  # warm-up
-    vcpo.PerSequenceGradients.sq_norms = sq_norms
+    with norm_forms() as forms:  # the warm-up step's norm forms
+        fn()  # warm-up
     times = []
     for _ in range(rounds):
         start = time.perf_counter()
@@ -133,20 +125,7 @@ def run_case(case: str, rounds: int, name: str, shape: Optional[tuple] = None) -
         times.append(time.perf_counter() - start)
     params = sum(p.numel() for p in model.parameters())
     return dict(case=case, median_s=statistics.median(times), min_s=min(times), params=params,
-                peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, forms=forms)
-
-
-LAYER_KINDS = {"attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj"),
-               "head": ("lm_head",)}
-
-
-def form_counts(forms: list) -> str:
-    """Per layer kind, how many of its recorded calls took the ghost (g) and materialised (m) norm."""
-    cells = []
-    for kind, names in LAYER_KINDS.items():
-        got = [f for n, f in forms if n.rsplit(".", 1)[-1] in names]
-        cells.append(f"{kind} " + "+".join(f"{got.count(f)}{f[0]}" for f in ("ghost", "materialised") if f in got))
-    return "  ".join(cells)
+                peak_rss_mib=peak_rss_mib(), forms=forms)
 
 
 def child(args: list) -> dict:

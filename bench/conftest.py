@@ -1,12 +1,15 @@
 """Prints, after pytest-benchmark's tables, one ratio table per layout from the same run's medians, and how much
 CPU other processes used meanwhile (on 2 cores, any other work makes the medians meaningless)."""
 
+import math
 import os
 
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # compile in-process: its CPU time counts as ours
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+from common import cpu_seconds, other_cpu_seconds  # noqa: E402
 
 # (label, numerator case, denominator case, target, "met" test on the ratio)
 RATIOS = [
@@ -17,20 +20,7 @@ RATIOS = [
     ("verl loss / fused", "verl loss", "fused", "-", None),
 ]
 
-
-def _cpu_seconds():
-    """(CPU seconds all processes were busy, CPU seconds of this process), or None off Linux."""
-    try:
-        with open("/proc/stat") as f:
-            ticks = [int(x) for x in f.readline().split()[1:9]]
-    except OSError:
-        return None
-    t = os.times()  # children too: torch.compile runs the C++ compiler as a subprocess
-    own = t.user + t.system + t.children_user + t.children_system
-    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK"), own
-
-
-_START = _cpu_seconds()
+_START = cpu_seconds()
 
 
 @pytest.hookimpl(trylast=True)
@@ -44,9 +34,8 @@ def pytest_terminal_summary(terminalreporter, config):
     if not medians:
         return
     write = terminalreporter.write_line
-    end = _cpu_seconds()
-    if _START and end:
-        foreign = (end[0] - _START[0]) - (end[1] - _START[1])  # CPU time of other processes during the run
+    foreign = other_cpu_seconds(_START, cpu_seconds())  # CPU time of other processes during the run
+    if not math.isnan(foreign):  # /proc/stat was there to read (Linux)
         terminalreporter.section("VCPO policy_loss benchmark: ratio tables", sep="=")
         write(f"torch threads {torch.get_num_threads()}; other processes used {foreign:.1f} CPU-s during the run"
               + ("  ** CONTENDED: numbers unreliable, rerun on an idle machine **" if foreign > 2 else ""))
@@ -58,7 +47,7 @@ def pytest_terminal_summary(terminalreporter, config):
         for label, num, den, target, met in RATIOS:
             if num in cases and den in cases:
                 r = cases[num] / cases[den]
-                # The issue's targets are for the 1M-token layouts; "latency" shows the fixed cost of a call.
+                # The targets are for the 1M-token layouts; "latency" shows the fixed cost of a call.
                 verdict = f"target {target:<6} {'MET' if met(r) else 'MISSED'}" \
                     if layout != "latency" and met is not None else ""
                 write(f"  {label:<20} {r:7.2f}x   {verdict}")

@@ -11,9 +11,7 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 RULES = ("grpo", "vcpo")  # cases of bench_real_model.CASES
 
 

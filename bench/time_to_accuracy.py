@@ -26,12 +26,10 @@ import json
 import math
 import os
 import statistics
-import sys
 from types import SimpleNamespace
 from typing import Optional
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from staleness_sweep import RULES, Run, mean_ci, read_summary, sweep  # noqa: E402
+from staleness_sweep import RULES, Run, mean_ci, read_summary, sweep
 
 THRESHOLD = 0.35
 THRESHOLD_EVALS = 3

@@ -13,11 +13,20 @@ import numpy as np
 import pytest
 
 _bench = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
-_spec = importlib.util.spec_from_file_location("time_to_accuracy", os.path.join(_bench, "time_to_accuracy.py"))
-tta = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = tta
-_spec.loader.exec_module(tta)
-T975 = sys.modules["staleness_sweep"].T975  # the t quantiles, loaded with it
+
+
+def _load(name):
+    """bench/NAME.py as the module NAME (dataclasses look their module up in sys.modules)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(_bench, name + ".py"))
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# time_to_accuracy imports staleness_sweep by name (run as bench/time_to_accuracy.py, it finds it beside itself):
+# loaded first, unless test_staleness_sweep.py already has
+T975 = (sys.modules.get("staleness_sweep") or _load("staleness_sweep")).T975  # the t quantiles
+tta = _load("time_to_accuracy")
 
 
 def random_summary(rng, rule="vcpo", k=4, seed=0, steps=200, every=20):
