@@ -140,7 +140,7 @@ def main() -> None:
               f"{row['time_over_ours']:13.2f}{row['peak_over_ours']:13.1f}")
     targets = [("peak memory >= 8x below eager", "eager", "peak_over_ours", lambda r: r >= 8),
                ("time <= Liger's chunked loss", "liger grpo", "time_over_ours", lambda r: r >= 1)]
-    for label, case, key, met in targets:  # issue targets, reported, never asserted
+    for label, case, key, met in targets:  # the design's targets, reported, never asserted
         if case in table:
             print(f"target {label}: {'met' if met(table[case][key]) else 'missed'} ({case} / ours = "
                   f"{table[case][key]:.2f})")

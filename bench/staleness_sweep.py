@@ -64,7 +64,8 @@ ABLATIONS = {
     "vcpo-lr-ema-0.9": ["--loss", "vcpo", "--lr-scale-ema", "0.9"],  # the lr scale averaged over about 20 steps
 }
 # The rules above at a constant lr, the only schedule before 0eb50e8 (every summary of rule r at an older commit ran at
-# a constant lr); these with the lr decayed over the run, `vcpo train`'s default since (issue 27 point 5).
+# a constant lr); these with the lr decayed over the run, `vcpo train`'s default since
+# (bench/RESULTS.md, "The main job with a decaying lr").
 SCHEDULES = {
     "vcpo-cosine": ["--loss", "vcpo", "--lr-schedule", "cosine"],  # cosine from lr to 0.1 x lr at the last step
     "grpo-cosine": ["--loss", "grpo", "--lr-schedule", "cosine"],

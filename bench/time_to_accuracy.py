@@ -1,4 +1,4 @@
-"""Wall-clock time to a held-out accuracy (issue 27 point 4): synchronous GRPO and VCPO (k = 0) against VCPO at
+"""Wall-clock time to a held-out accuracy: synchronous GRPO and VCPO (k = 0) against VCPO at
 k = 4 (the main job) and k = 16, in the main job's default mode and placement (k only bounds the lag, the engine
 generates ahead on its own core, so asynchrony buys speed), several seeds, the main job's 1500 steps.
 
@@ -16,7 +16,7 @@ the 128 held-out prompts, one every 20 versions) at or above THRESHOLD. The time
 first step's start, at the end of the step that made the last of those versions; a run that never gets there counts
 as not reached, never as its run time. The report also has, per cell, the spread of the final accuracy and of the
 late evaluations within a run against one evaluation's binomial noise, and the worst fall of the training reward
-in the second half of a run (point 5: does the policy itself oscillate, and in which cells).
+in the second half of a run (does the policy itself oscillate late in a run, and in which cells).
 """
 
 from __future__ import annotations
