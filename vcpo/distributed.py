@@ -65,8 +65,8 @@ def policy_loss(logp: Tensor, behavior_logp: Tensor, *, process_group, options, 
         raise ValueError("num_groups is required with a process_group: group indices are global, and a rank "
                          "cannot infer the count from its own sequences")
     tokens = token_batch(logp, behavior_logp, old_logp, mask, cu_seqlens, validate)
-    batch_scope = options.advantage == "opob" and options.opob_scope == "batch"
-    seq = sequence_batch(tokens, rewards, advantages, group_index, num_groups, grad_sq_norm, batch_scope, validate)
+    seq = sequence_batch(tokens, rewards, advantages, group_index, num_groups, grad_sq_norm, options.batch_baseline,
+                         validate)
     stats = vcpo_kernels.sequence_stats(logp.detach(), behavior_logp, mask=mask, cu_seqlens=cu_seqlens,
                                         old_logp=old_logp, validate=False, backend=backend)
     b = tokens.num_seqs

@@ -177,7 +177,7 @@ def _whole_batch_advantages(config: VCPOConfig) -> str:
     """Why a sequence's advantage depends on sequences outside its prompt group, or "" when it does not."""
     if config.advantage == "reinforce":
         return "advantage='reinforce' subtracts the batch's mean reward"
-    if config.advantage == "opob" and config.opob_scope == "batch":
+    if config.batch_baseline:
         return "opob_scope='batch' forms one baseline over the whole batch"
     if config.is_batch_normalize:
         return "is_batch_normalize divides every IS coefficient by the whole batch's mean"

@@ -177,8 +177,7 @@ def advantages(
     check = _validating(validate)
     lw = _log_weight_tensor(seq_log_weight)
     b, device, dtype = lw.numel(), lw.device, lw.dtype
-    batch_scope = opts.advantage == "opob" and opts.opob_scope == "batch"
-    g, ng = (None, 1) if batch_scope else group_index_tensor(group_index, num_groups, b, device, check)
+    g, ng = (None, 1) if opts.batch_baseline else group_index_tensor(group_index, num_groups, b, device, check)
     seq = SequenceBatch(per_sequence("rewards", rewards, b, device, dtype, check), None, g, ng,
                         grad_sq_norm_tensor(grad_sq_norm, b, device, dtype, check))
     return Baseline(*reference.sequence_advantages(seq, lw, _seq_length_tensor(seq_length, lw, check), opts))
@@ -213,8 +212,8 @@ def policy_loss(
         opts = opts.replace(**option_overrides)
     check = _validating(validate)
     tokens = token_batch(logp, behavior_logp, old_logp, mask, cu_seqlens, check)
-    batch_scope = opts.advantage == "opob" and opts.opob_scope == "batch"
-    seq = sequence_batch(tokens, rewards, advantages, group_index, num_groups, grad_sq_norm, batch_scope, check)
+    seq = sequence_batch(tokens, rewards, advantages, group_index, num_groups, grad_sq_norm, opts.batch_baseline,
+                         check)
     norm_length = opts.norm_length
     if opts.loss_agg_mode == "seq-mean-token-sum-norm" and norm_length is None:
         if tokens.padded_length is None:

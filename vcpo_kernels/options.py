@@ -198,6 +198,11 @@ class PolicyLossOptions:
         return dataclasses.replace(self, **changes)
 
     @property
+    def batch_baseline(self) -> bool:
+        """Whether one OPOB baseline spans the whole batch (opob_scope="batch") instead of one per prompt group."""
+        return self.advantage == "opob" and self.opob_scope == "batch"
+
+    @property
     def token_rejection(self) -> bool:
         """Whether a rejection criterion acts per token (the coefficient then varies within a sequence)."""
         return any(name.startswith("token_") for name, _, _ in self.rejection)

@@ -381,7 +381,7 @@ class VCPOAsyncGRPOTrainer(AsyncGRPOTrainer):
         if self.vcpo_config.grad_norms not in ("length", "uniform"):
             why.append(f"grad_norms={self.vcpo_config.grad_norms!r} (no per-sequence norm pass over packed tree "
                        "rows: use 'length' or 'uniform')")
-        if self.vcpo_config.advantage == "opob" and self.vcpo_config.opob_scope == "batch":
+        if self.vcpo_config.batch_baseline:
             why.append("opob_scope='batch' (a micro-batch is not the batch)")
         if self.aux_loss_enabled:
             why.append("the MoE router auxiliary loss")
