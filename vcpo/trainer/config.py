@@ -13,7 +13,6 @@ from typing import Any, Optional
 
 from vcpo.config import VCPOConfig
 
-from .engines.interface import ENGINE_MODES
 from .gguf_models import is_gguf
 from .lr_schedule import LR_SCHEDULES
 from .report import parse_report_to
@@ -35,6 +34,7 @@ LOSS_PRESETS: dict[str, dict[str, Any]] = {
     "ppo": {"is_correction": "none", "advantage": "grpo", "lr_rule": None, "grad_norms": "uniform",
             "clip_ratio": (0.2, 0.28)},
 }
+ENGINE_MODES = ("process", "inprocess", "server")  # the `engine` setting; engines/start.py builds each
 WEIGHT_SWAPS = ("wait", "keep", "abort")
 WEIGHT_TRANSFERS = ("storage", "nccl")  # docs/scale.md, "Weight transfer over NCCL"
 SAMPLING_REFUSED = (

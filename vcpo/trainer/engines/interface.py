@@ -10,8 +10,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-OWNED_MODES = ("process", "inprocess")  # vLLM owned by the run: in its own processes, or in this one
-ENGINE_MODES = (*OWNED_MODES, "server")  # the `engine` setting
+from ..config import ENGINE_MODES
+
+OWNED_MODES = tuple(m for m in ENGINE_MODES if m != "server")  # vLLM owned by the run: in its own processes, or here
 # the sampled tokens' log-probs under the distribution sampled from (after the temperature), not the raw logits'
 # (vLLM's default, raw_logprobs); docs/trainer.md, "Sampling settings"
 LOGPROBS_MODE = "processed_logprobs"
