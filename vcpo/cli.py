@@ -81,7 +81,11 @@ def _train(args: argparse.Namespace, argv: list) -> int:
     from .trainer.placement.ranks import launch_ranks, launched_ranks
     from .trainer.placement.ray_launch import train_on_ray
 
-    if cfg.validate().ray is None and cfg.trainer_ranks > 1 and launched_ranks() == 1:
+    from .trainer.process_guard import guard
+
+    cfg.validate()
+    guard()  # whatever this process starts ends with it, however it ends (docs/trainer.md, "Resume")
+    if cfg.ray is None and cfg.trainer_ranks > 1 and launched_ranks() == 1:
         launch_ranks(cfg.trainer_ranks, argv)  # does not return: this process becomes torchrun
 
     try:

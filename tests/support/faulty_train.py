@@ -5,6 +5,8 @@ in the faults FAULTS_JSON names (its keys, each optional):
 - "fake_engine": {"poison": P, "seconds": S}: tests/support/fake_engine.FakeEngine generates the rollouts (no vLLM),
   each batch taking S seconds, the responses of prompts whose sampling seed is a multiple of P (0: none) with a
   behaviour log-prob of -inf;
+- "slow_sync": PATH: each weight sync into the fake engine creates PATH and waits 1 s before the engine takes the
+  weights (a SIGKILL sent when PATH appears lands in the middle of the sync);
 - "slow_commit": PATH: each checkpoint, once written and before it is synced and renamed into place, creates PATH
   and waits 1 s (a SIGKILL sent when PATH appears lands in the middle of the checkpoint);
 - "disk_full_at_step": N: from the checkpoint of step N on, no file of the process may grow past 256 KiB
@@ -32,6 +34,19 @@ def fake_engine(poison: int = 0, seconds: float = 0.0) -> None:
         yield FakeEngine(poison=poison or False, seconds=seconds), 0.0
 
     run.start_engine = start_engine
+
+
+def slow_sync(marker: str) -> None:
+    from support.fake_engine import FakeEngine
+
+    load_weights = FakeEngine.load_weights
+
+    def announced(self, state, version):
+        open(marker, "w").close()
+        time.sleep(1.0)
+        load_weights(self, state, version)
+
+    FakeEngine.load_weights = announced
 
 
 def slow_commit(marker: str) -> None:
@@ -89,7 +104,7 @@ if __name__ == "__main__":
         if isinstance(value, dict):
             {"fake_engine": fake_engine, "kill_server_mid_sync": kill_server_mid_sync}[name](**value)
         else:
-            {"slow_commit": slow_commit, "disk_full_at_step": disk_full_at_step}[name](value)
+            {"slow_commit": slow_commit, "slow_sync": slow_sync, "disk_full_at_step": disk_full_at_step}[name](value)
     from vcpo.cli import main
 
     sys.exit(main(["train", *sys.argv[2:]]))

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from support.fake_engine import FakeEngine
+from support.processes import RunProcesses
 
 pytestmark = pytest.mark.slow  # vcpo train subprocesses
 
@@ -83,15 +84,16 @@ def monkeypatch_module():
 def test_sigkill_at_five_random_moments_then_resume_loses_no_sample(tmp_path, reference):
     """Five SIGKILLs at random moments (seeded, the seed printed): the first once a checkpoint exists, a few steps
     on; the second during start-up (loading, the resume's checks); the third while a checkpoint is being written
-    (between its files and its rename); the last two a random number of steps after the resumed step. Each time
-    `--resume` goes on; the last launch finishes the run. Every sample is consumed exactly once, the steps are
-    1..STEPS once each, the final weights are finite and equal, bit for bit, to those of the same run never killed
+    (between its files and its rename); the fourth in the middle of a weight sync; the last a random number of steps
+    after the resumed step. Each time no process the run started (its reward workers, its watchdog) is alive 10 s
+    later, and `--resume` goes on; the last launch finishes the run. Every sample is consumed exactly once, the steps
+    are 1..STEPS once each, the final weights are finite and equal, bit for bit, to those of the same run never killed
     (the rollouts do not depend on the weights here, so the lag each batch had does not matter)."""
     seed = random.randrange(10 ** 6)
     rng = random.Random(seed)
     folder = tmp_path / "run"
     metrics, marker = folder / "metrics.jsonl", tmp_path / "writing"
-    log, kills = [], []
+    log, kills, leftovers = [], [], []
 
     def lines():  # whole lines (the last may be half written)
         return metrics.read_bytes().count(b"\n") if metrics.exists() else 0
@@ -103,9 +105,11 @@ def test_sigkill_at_five_random_moments_then_resume_loses_no_sample(tmp_path, re
             time.sleep(0.01)
 
     for kill in range(5):
-        faults = {"fake_engine": ENGINE, **({"slow_commit": str(marker)} if kill == 2 else {})}
+        faults = {"fake_engine": ENGINE, **({"slow_commit": str(marker)} if kill == 2 else {}),
+                  **({"slow_sync": str(marker)} if kill == 3 else {})}
         base = lines()
         proc = launch(faults, cli_args(folder) if kill == 0 else ["--resume", str(folder), "--no-progress"])
+        processes = RunProcesses(proc.pid)
         started = time.time()
         if kill == 1:
             time.sleep(rng.uniform(0, 5))
@@ -114,15 +118,23 @@ def test_sigkill_at_five_random_moments_then_resume_loses_no_sample(tmp_path, re
             wait_for(proc, marker.exists, started)
             moment = "during a checkpoint write"
             assert any(n.endswith(".tmp") for n in os.listdir(folder / "checkpoints"))
+        elif kill == 3:
+            wait_for(proc, marker.exists, started)
+            moment = "during a weight sync"
         else:
             ahead = 3 if kill == 0 else rng.randint(1, 5)  # the first: the checkpoint of step 3 is written
             wait_for(proc, lambda: lines() >= base + ahead, started)
             time.sleep(rng.uniform(0, 0.5))
             moment = f"{time.time() - started:.1f} s after the launch, {lines() - base} steps on"
         assert proc.poll() is None, f"launch {kill} ended before its kill (seed {seed}): " + proc.communicate()[0]
+        if marker.exists():
+            marker.unlink()
         proc.kill()
         log.append(proc.communicate()[0])
         kills.append(moment)
+        left = processes.left_alive(within=10.0)
+        assert not left, f"kill {kill} ({moment}, seed {seed}) left {left}"
+        leftovers.append(len(left))
     proc = launch({"fake_engine": ENGINE}, ["--resume", str(folder), "--no-progress"])
     out = proc.communicate(timeout=900)[0]
     assert proc.returncode == 0, out[-5000:]
@@ -134,7 +146,8 @@ def test_sigkill_at_five_random_moments_then_resume_loses_no_sample(tmp_path, re
     lost, repeated = len(expected - set(uids)), len(uids) - len(set(uids))
     print(f"faults: 5 SIGKILLs, {sum(r.get('reward_error') is not None for r in rollouts)} failed reward calls, "
           f"{sum(r['skipped'] for r in read_jsonl(folder / 'metrics.jsonl'))} skipped steps; "
-          f"{len(uids)} samples consumed, {lost} lost, {repeated} consumed twice")
+          f"{len(uids)} samples consumed, {lost} lost, {repeated} consumed twice; "
+          f"{sum(leftovers)} processes left alive 10 s after the kills")
     assert lost == 0 and repeated == 0 and set(uids) == expected
     assert [r["step"] for r in read_jsonl(folder / "metrics.jsonl")] == list(range(1, STEPS + 1))
     assert "removed" in "".join(log[3:]) + out and ".tmp: a checkpoint that was being written" in "".join(log[3:]) + out

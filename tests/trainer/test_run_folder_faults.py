@@ -332,3 +332,88 @@ def test_weights_that_turn_non_finite_after_a_step_stop_the_run_before_publishin
                               torch.zeros(1, 2), torch.zeros(1))
     with pytest.raises(NonFiniteError, match=rf"\({name}: a NaN or an infinity\): nothing of them was sent"):
         policy.step(batch, 1)
+
+
+# -- what a hard kill leaves outside the logs and checkpoints ---------------------------------------------------------
+def start_ticks(pid):
+    """A process's start time as /proc gives it (clock ticks since boot): the `processes` file's unit."""
+    with open(f"/proc/{pid}/stat") as f:
+        text = f.read()
+    return int(text[text.rindex(")") + 2:].split()[19])
+
+
+def test_a_resume_ends_what_the_killed_run_left_and_removes_its_runtime_folder(tmp_path):
+    """The killed run's watchdog was killed too: its record of the run's processes and the run's token find what is
+    left (a recorded process; an unrecorded one whose environment carries the token), a resume ends both and removes
+    the runtime folder and the half-written checkpoint and weight file, saying so; a recorded pid whose start time
+    differs (a pid reused since by another program) is left alone."""
+    import socket
+    import subprocess
+
+    run = resumable(tmp_path)
+    runtime = tmp_path / "vcpo-run-123-abc"
+    runtime.mkdir()
+    recorded = subprocess.Popen(["sleep", "60"])
+    marked = subprocess.Popen(["sleep", "60"], env={**os.environ, "VCPO_RUN_TOKENS": "other:vcpo-run-123-abc"})
+    stranger = subprocess.Popen(["sleep", "60"])
+    try:
+        (runtime / "processes").write_text(f"{recorded.pid} {start_ticks(recorded.pid)}\n"
+                                           f"{stranger.pid} {start_ticks(stranger.pid) + 1}\n")
+        (run / ".lock").write_text(json.dumps({"pid": 4 * 10 ** 6, "host": socket.gethostname(),
+                                               "runtime_dir": str(runtime)}))
+        (run / ".weights").mkdir()
+        (run / ".weights" / "model.safetensors.tmp").write_bytes(b"half")
+        (run / ".weights" / "model.safetensors").write_bytes(b"whole")
+        (run / "checkpoints" / "step-000006.tmp").mkdir()
+        logs = []
+        RunFolder(str(run), resume=True, log=logs.append)
+        assert recorded.wait(timeout=5) == -9 and marked.wait(timeout=5) == -9 and stranger.poll() is None
+        text = "\n".join(logs)
+        assert f"previous process (pid {4 * 10 ** 6}) had left 2 process(es) running: ended sleep 60 (pid " in text
+        assert f"removed {runtime}, the runtime folder" in text and not runtime.exists()
+        assert "model.safetensors.tmp: a weight file that was being written" in text
+        assert "step-000006.tmp: a checkpoint that was being written" in text
+        assert sorted(os.listdir(run / ".weights")) == ["model.safetensors"]
+        assert json.loads((run / ".lock").read_text())["pid"] == os.getpid()
+    finally:
+        for p in (recorded, marked, stranger):
+            p.kill()
+            p.wait()
+
+
+def test_a_folder_in_use_is_refused_naming_its_process_and_free_once_it_dies(tmp_path):
+    """Another process holds the folder's lock: a new run or a resume is refused, naming it; once it is SIGKILLed the
+    kernel has released the lock and the resume goes on (its record names a process that is gone: nothing to end)."""
+    import subprocess
+    import sys
+
+    run = resumable(tmp_path)
+    holder = subprocess.Popen([sys.executable, "-c", f"""
+import fcntl, json, os, socket, time
+fd = os.open({str(run / ".lock")!r}, os.O_RDWR | os.O_CREAT)
+fcntl.lockf(fd, fcntl.LOCK_EX)
+os.write(fd, json.dumps({{"pid": os.getpid(), "host": socket.gethostname(), "runtime_dir": None}}).encode())
+print("locked", flush=True)
+time.sleep(60)
+"""], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(ValueError, match=re.escape(f"is in use by another vcpo train (pid {holder.pid} on ")):
+            RunFolder(str(run), resume=True)
+        assert (run / "checkpoints" / "step-000004").is_dir()  # nothing touched
+    finally:
+        holder.kill()
+        holder.wait()
+    logs = []
+    RunFolder(str(run), resume=True, log=logs.append)
+    assert not logs and json.loads((run / ".lock").read_text())["pid"] == os.getpid()
+
+
+def test_each_metrics_row_is_in_the_file_when_its_step_ends(tmp_path):
+    """A reader polling metrics.jsonl (`tail -f`, a dashboard) sees a step's row before the next step, not at the
+    next checkpoint."""
+    with RunFolder(str(tmp_path / "run"), resume=False) as run:
+        for step in (1, 2):
+            run.log_step({"step": step, "loss": 0.5}, [])
+            with open(run.file("metrics.jsonl")) as f:
+                assert [json.loads(line)["step"] for line in f] == list(range(1, step + 1))

@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+from support.processes import RunProcesses
 from support.vllm_metrics import requests_running
 
 from vcpo.trainer.engines.servers import KEY_ENV, free_port
@@ -136,9 +137,10 @@ def long_answers(folder):
 
 
 def test_sigkill_takes_the_servers_down_and_sigterm_with_a_batch_in_flight_exits_within_10_s(tmp_path):
-    """SIGKILL of the trainer: its servers end too (they are told by the kernel when their parent dies), and the
-    resume removes the checkpoint being written and drops the log lines after its checkpoint. SIGTERM of the resumed
-    run with a batch in flight (a scheduler's stop: SIGKILL follows within about 30 s): the step finishes, the
+    """SIGKILL of the trainer: within 10 s no process it started is alive (its server and the server's engine
+    processes, its reward workers, its watchdog), and the server's temporary folder is gone; the resume removes the
+    checkpoint being written and drops the log lines after its checkpoint. SIGTERM of the resumed run with a batch
+    in flight (a scheduler's stop: SIGKILL follows within about 30 s): the step finishes, the
     checkpoint is written, the generation is aborted, the server stopped and its temporary folder removed, exit 0
     within 10 s; every sample consumed by the two runs is in rollouts.jsonl exactly once."""
     from vcpo.trainer.run_folder import RunFolder
@@ -162,10 +164,12 @@ def test_sigkill_takes_the_servers_down_and_sigterm_with_a_batch_in_flight_exits
             assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-5000:]
             time.sleep(0.01)
 
+    processes = RunProcesses(first.pid)
     wait_for(first, lambda: os.path.isdir(folder / "checkpoints" / "step-000002"))  # a checkpoint to resume from
     server = json.load(open(folder / "servers" / "servers.json"))[0]
     first.kill()
     first.communicate(timeout=60)
+    assert not processes.left_alive(within=10.0)  # the server, its engine processes, the reward workers, ...
     deadline = time.time() + 60
     while not gone(server["pid"]) and time.time() < deadline:
         time.sleep(0.2)

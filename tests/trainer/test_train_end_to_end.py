@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 from support.fake_engine import FakeEngine
+from support.processes import RunProcesses
 
 pytest.importorskip("vllm")
 
@@ -137,8 +138,9 @@ def test_fused_lm_head_run(runs):
     assert any(m["grad_norm"] > 0 for m in metrics)
 
 
-def _interrupt_and_resume(args, folder, env):
-    """Start a run, Ctrl-C it after a few steps, check the clean exit, then resume it to the end."""
+def _interrupt_and_resume(args, folder, env, hard_kill=False):
+    """Start a run, Ctrl-C it after a few steps, check the clean exit, then resume it to the end; with `hard_kill`
+    the resumed run is SIGKILLed a step on (no process it started may be alive 10 s later) and resumed again."""
     proc = subprocess.Popen(_cli([*args, "--output-dir", folder], env), env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     metrics = os.path.join(folder, "metrics.jsonl")
@@ -156,15 +158,26 @@ def _interrupt_and_resume(args, folder, env):
     stopped_at = summary["steps"]
     state_before = sorted(os.listdir(os.path.join(folder, "checkpoints")))[-1]
     assert state_before == f"step-{stopped_at:06d}"
+    if hard_kill:
+        proc = subprocess.Popen(_cli(["--resume", folder, "--no-progress"], env), env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        processes = RunProcesses(proc.pid)
+        while proc.poll() is None and len(read_jsonl(metrics)) <= stopped_at:
+            time.sleep(0.02)
+        assert proc.poll() is None, proc.communicate()[0][-5000:]
+        proc.kill()
+        proc.communicate(timeout=60)
+        assert not processes.left_alive(within=10.0)
     run(["--resume", folder, "--no-progress"], env)
     return stopped_at
 
 
 @pytest.mark.parametrize("k", [0, 4])
 def test_interrupt_and_resume_give_the_same_sample_stream(runs, env, tmp_path, k):
+    """Ctrl-C, then resume; at k = 4 the resumed run is also SIGKILLed mid-step and resumed again."""
     folder = str(tmp_path / "run")
     args = [*COMMON, "--steps", str(STEPS), "--max-staleness", str(k)]
-    stopped_at = _interrupt_and_resume(args, folder, env)
+    stopped_at = _interrupt_and_resume(args, folder, env, hard_kill=k == 4)
     resumed = read_jsonl(os.path.join(folder, "rollouts.jsonl"))
     straight = read_jsonl(os.path.join(runs[k], "rollouts.jsonl"))
     uids = [tuple(r["uid"]) for r in resumed]

@@ -105,29 +105,49 @@ def test_a_rank_launched_among_another_count_is_refused(monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_killed_rank_ends_the_run_and_the_last_checkpoint_resumes(tmp_path):
+def test_a_killed_rank_or_launcher_ends_the_run_and_the_last_checkpoint_resumes(tmp_path):
+    """A rank SIGKILLed: the run ends with an error naming it. The resumed run's main process (torchrun, which
+    `vcpo train --trainer-ranks 2` becomes) SIGKILLed while a checkpoint is being written: within 10 s no process of
+    the run is alive (ranks, rank 0's engine processes, reward workers, watchdogs). Each time the last whole
+    checkpoint resumes, the last time on one rank, with every step once."""
     import signal
     import time
 
     import psutil
+    from support.processes import RunProcesses
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    folder = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "vcpo.cli", "train", *COMMON, "--steps", "500", "--trainer-ranks",
-                             "2", "--output-dir", str(folder)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 600
-    while not (folder / "checkpoints" / "step-000002").is_dir():
-        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-5000:]
-        time.sleep(0.1)
+    folder, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
+
+    def launch(args):
+        proc = subprocess.Popen([sys.executable, "-m", "vcpo.cli", "train", *args, "--trainer-ranks", "2"], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return proc, RunProcesses(proc.pid)
+
+    def wait_for(proc, done):
+        deadline = time.time() + 600
+        while not done():
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-5000:]
+            time.sleep(0.01)
+
+    proc, processes = launch([*COMMON, "--steps", "500", "--output-dir", str(folder)])
+    wait_for(proc, lambda: (checkpoints / "step-000002").is_dir())
     ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "vcpo.trainer" in " ".join(p.cmdline())]
     follower = next(p for p in ranks if p.environ().get("RANK") == "1")
     follower.send_signal(signal.SIGKILL)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode != 0 and "rank      : 1" in err and "SIGKILL" in err
-    for p in ranks:
-        assert not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
-    done = int(sorted(os.listdir(folder / "checkpoints"))[-1].split("-")[1])
+    assert not processes.left_alive(within=10.0)
+
+    done = int(sorted(os.listdir(checkpoints))[-1].split("-")[1])
+    proc, processes = launch(["--resume", str(folder), "--steps", "500", "--no-progress"])
+    wait_for(proc, lambda: any(n.endswith(".tmp") for n in os.listdir(checkpoints)))  # a checkpoint being written
+    proc.send_signal(signal.SIGKILL)  # rank 0 may still finish the checkpoint before its watchdog ends it
+    proc.communicate(timeout=60)
+    left = processes.left_alive(within=10.0)
+    assert not left and len(processes.seen) >= 4, (left, processes.seen)  # ranks, engine core, worker, watchdogs
+
+    done = int(sorted(n for n in os.listdir(checkpoints) if not n.endswith(".tmp"))[-1].split("-")[1])
     proc = train(["--resume", str(folder), "--steps", str(done + 2), "--trainer-ranks", "1", "--no-progress"], env)
     assert f"resuming {folder} from step {done}" in proc.stdout + proc.stderr
     assert [r["step"] for r in read_jsonl(folder / "metrics.jsonl")] == list(range(1, done + 3))

@@ -5,14 +5,21 @@ trainer_state.pt), curves.png and summary.json.
 A checkpoint is written to a .tmp folder, synced to disk and renamed into place, so a run stopped at any moment
 (SIGKILL, a dead machine) leaves the previous checkpoint whole. A resume removes the stale .tmp folders, drops the
 metrics and rollouts lines of the steps after its checkpoint (and a partial last line: a kill while writing it), and
-falls back to the previous checkpoint when the newest does not read back (docs/trainer.md, "Interrupt and resume")."""
+falls back to the previous checkpoint when the newest does not read back (docs/trainer.md, "Interrupt and resume").
+
+The process that writes the folder holds a lock on its `.lock` file for as long as it lives (a POSIX record lock:
+the kernel releases it when the process dies, however it dies), so a second run on the same folder is refused while
+the first one lives. The file names that process and its runtime folder (vcpo/trainer/process_guard.py): a resume
+ends whatever that process left running and removes its runtime folder, should its watchdog not have."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import shutil
+import socket
 import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional
@@ -21,6 +28,7 @@ from safetensors import SafetensorError
 
 from .errors import CheckpointError
 from .plot import plot_run
+from .process_guard import end_processes, read_processes, runtime_dir
 from .report import Reporters, parse_report_to
 
 
@@ -119,6 +127,18 @@ def unreadable(folder: str) -> Optional[str]:
     return None
 
 
+LOCK = ".lock"
+_HELD: dict[str, int] = {}  # the lock files this process holds: real path -> descriptor
+
+
+def _read_record(fd: int) -> dict:
+    """The JSON record of a lock file (empty when it has none: a new file, or one cut short)."""
+    try:
+        return json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except ValueError:
+        return {}
+
+
 # What a failed write raises: os and file objects OSError, torch.save RuntimeError ("unexpected pos", "file write
 # failed"), safetensors SafetensorError ("I/O error").
 WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
@@ -134,22 +154,64 @@ class RunFolder:
         self.log = log
         if resume and not self.checkpoints():
             raise ValueError(f"resume: {self.path!r} has no checkpoint")
-        if resume:  # checkpoints a killed run was writing
-            root = self.file("checkpoints")
-            for name in os.listdir(root):
-                if name.endswith(".tmp"):
-                    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-                    log(f"removed {os.path.join(root, name)}: a checkpoint that was being written when the run "
-                        "stopped")
         if not resume and os.path.isdir(self.path) and os.listdir(self.path):
             raise ValueError(f"output_dir {self.path!r} exists and is not empty: resume it with --resume or pick "
                              "another")
         os.makedirs(self.path, exist_ok=True)
+        previous = self._lock()
+        if resume:
+            self._clean_up_after(previous)
         self._metrics = self._rollouts = None
         self.report_to, self.first_step, self._reporters = parse_report_to(report_to), 1, None
 
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
+
+    def _lock(self) -> dict:
+        """Take the folder's lock for the rest of this process's life (refused while another process holds it) and
+        record this process in it; returns the record of the process that held it before (empty if none)."""
+        path = os.path.realpath(self.file(LOCK))
+        if path not in _HELD:  # one descriptor per process: closing any other would release the lock (POSIX)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                holder = _read_record(fd)
+                os.close(fd)
+                raise ValueError(f"output_dir {self.path!r} is in use by another vcpo train (pid "
+                                 f"{holder.get('pid', '?')} on {holder.get('host', '?')}): wait for it to end or "
+                                 "stop it first") from None
+            _HELD[path] = fd
+        fd = _HELD[path]
+        previous = _read_record(fd)
+        record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "runtime_dir": runtime_dir()})
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, record.encode() + b"\n", 0)
+        return previous
+
+    def _clean_up_after(self, previous: dict) -> None:
+        """A resume: end what the run's previous process left running and remove its runtime folder (its watchdog
+        does both, unless it was killed too), the checkpoints and weight files that were being written."""
+        runtime, pid = previous.get("runtime_dir"), previous.get("pid")
+        if runtime and pid != os.getpid() and previous.get("host") == socket.gethostname():
+            ended = end_processes(read_processes(runtime), token=os.path.basename(runtime))
+            if ended:
+                self.log(f"resume: the run's previous process (pid {pid}) had left {len(ended)} process(es) "
+                         f"running: ended {', '.join(ended)}")
+            if os.path.isdir(runtime):
+                shutil.rmtree(runtime, ignore_errors=True)
+                self.log(f"resume: removed {runtime}, the runtime folder (sockets, temporary files) the run's "
+                         f"previous process (pid {pid}) left")
+        for folder, what in (("checkpoints", "a checkpoint"), (".weights", "a weight file")):
+            root = self.file(folder)
+            for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+                if name.endswith(".tmp"):
+                    path = os.path.join(root, name)
+                    if os.path.isdir(path):
+                        shutil.rmtree(path, ignore_errors=True)
+                    else:
+                        os.remove(path)
+                    self.log(f"removed {path}: {what} that was being written when the run stopped")
 
     def checkpoints(self) -> list[str]:
         return _checkpoints(self.path)
@@ -222,8 +284,11 @@ class RunFolder:
             self._reporters.log(row, step)
 
     def log_step(self, row: dict, rollouts: list) -> None:
-        """metrics.jsonl gets `row`; rollouts.jsonl one line per consumed sample, tagged with the step."""
+        """metrics.jsonl gets `row`, in the file when this returns (a reader polling it, `tail -f`, sees each step
+        as it ends); rollouts.jsonl one line per consumed sample, tagged with the step (buffered: on disk at the
+        checkpoint, which is what a resume reads)."""
         self._metrics.write(json.dumps(row) + "\n")
+        self._metrics.flush()
         self.report(row, row["step"])
         for r in rollouts:
             extra = {"last_version": r.last_version} if r.last_version is not None else {}

@@ -30,6 +30,7 @@ from typing import Callable, Optional, Sequence
 from ..config import WEIGHT_TRANSFERS
 from ..errors import ServerStartError
 from ..gguf_models import is_gguf, model_folder
+from ..process_guard import RPC_ENV, runtime_dir
 from .interface import LOGPROBS_MODE
 from .rollout_engine import unsplit_prefill
 
@@ -288,10 +289,10 @@ class LocalServers:
         return ["--host", self.host, "--port", str(port)], f"http://{self.host}:{port}"
 
     def _start_one(self, i: int) -> None:
-        tmp = tempfile.mkdtemp(prefix=f"vcpo-server-{i}-")  # mode 0700: this user's alone
+        tmp = tempfile.mkdtemp(prefix=f"vcpo-server-{i}-", dir=runtime_dir())  # mode 0700: this user's alone
         self.tmp_dirs.append(tmp)
         listen, url = self._listen(i, tmp)
-        env = {**os.environ, **POOL_ENV, "TMPDIR": tmp, PARENT_ENV: str(os.getpid()), TMPDIR_ENV: tmp,
+        env = {**os.environ, **POOL_ENV, "TMPDIR": tmp, RPC_ENV: tmp, PARENT_ENV: str(os.getpid()), TMPDIR_ENV: tmp,
                "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(self.kv_cache_gib))),
                "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO")}
         env.pop(KEY_ENV, None)  # the server's key is self.key, or none
