@@ -2,6 +2,7 @@
 files, the CLI's exit codes, `vcpo plot`, and where local servers are placed."""
 
 import json
+import math
 
 import pytest
 
@@ -32,6 +33,61 @@ from vcpo.trainer import LOSS_PRESETS, load_file, make_config
 def test_bad_settings_name_the_setting(change, name):
     with pytest.raises(ValueError, match=name):
         make_config(**change)
+
+
+def test_a_config_is_validated_when_it_is_made():
+    from vcpo.trainer.config import TrainConfig
+
+    with pytest.raises(ValueError, match="^steps must be an integer >= 1, got 0$"):
+        TrainConfig(steps=0)
+    with pytest.raises(ValueError, match="^data needs model"):  # the rules between settings too
+        TrainConfig(data="x.jsonl")
+    cfg = TrainConfig()
+    cfg.steps = "many"  # a field assigned since: validate() checks again
+    with pytest.raises(ValueError, match="^steps must be an integer >= 1, got 'many'$"):
+        cfg.validate()
+
+
+def test_every_declared_check_refuses_a_value_of_the_wrong_kind():
+    from dataclasses import fields
+
+    from vcpo.trainer.config import TrainConfig
+
+    for name in [f.name for f in fields(TrainConfig) if f.metadata["check"] is not None]:
+        with pytest.raises(ValueError, match=rf"^{name}\b"):
+            TrainConfig(**{name: object()})
+
+
+def _shared_checks():
+    import os
+
+    from vcpo.trainer.config import boolean, integer, number, one_of, path_of
+
+    template = path_of("template file", os.path.isfile, ("auto", "none"))
+    return [  # (check, a good value, bad values: a bool where it is not one, a wrong type, out of range; the message)
+        (integer(1), 1, [True, 1.0, "1", 0], "knob must be an integer >= 1, got {}"),
+        (integer(-1), -1, [False, None, -2], "knob must be an integer >= -1, got {}"),
+        (number(above=0), 0.5, [True, "0.5", 0, -1, math.nan, math.inf], "knob must be a finite number > 0, got {}"),
+        (number(at_least=0), 0, [False, "0", -0.5, -math.inf], "knob must be a finite number >= 0, got {}"),
+        (number(at_least=0, at_most=1), 1, [True, None, -0.1, 1.5], "knob must be a number in [0, 1], got {}"),
+        (number(above=0, at_most=1), 1.0, [True, [1], 0, 2], "knob must be a number in (0, 1], got {}"),
+        (one_of(("raise", "zero")), "zero", [True, 0, "skip"], "knob must be one of ['raise', 'zero'], got {}"),
+        (boolean, False, [1, "true", None], "knob must be true or false, got {}"),
+        (path_of("file or folder", os.path.exists), ".", [True, 5, ""],
+         "knob must be the path of a file or folder, got {}"),
+        (path_of("file or folder", os.path.exists), ".", ["/no/such/path"], "knob: no such file or folder {}"),
+        (template, "none", [False, 5], "knob must be auto, none or the path of a template file, got {}"),
+        (template, "auto", ["/no/such/file"], "knob: no such template file {} (or: auto, none)"),
+    ]
+
+
+@pytest.mark.parametrize("check, good, bad, message", _shared_checks())
+def test_each_shared_check_refuses_what_it_must_naming_the_setting(check, good, bad, message):
+    check(good, "knob")
+    for value in bad:
+        with pytest.raises(ValueError) as refused:
+            check(value, "knob")
+        assert str(refused.value) == message.format(repr(value))
 
 
 def test_unknown_setting_and_data_without_model():
