@@ -76,125 +76,178 @@ struct ForwardOutputs {
   acc_t* grad_scale;      // [B]: d loss / d(token surrogate), a_i c_i
 };
 
-template <typename lp_t, typename ref_t, typename acc_t>
-void policy_loss_forward(const TokenView& v, const SequenceInputs& seq, const LossParams<acc_t>& p,
-                         const LossOptions& o, const ForwardOutputs<acc_t>& out) {
-  const int64_t B = v.num_seqs;
-  const int64_t N = v.cu_seqlens[B];
-  const int64_t grain = sequence_grain(B, N);
-  std::vector<acc_t> length(B), kl(B);
-  const SequenceSums<acc_t> sums{out.seq_log_weight, length.data(), kl.data()};
-  at::parallel_for(0, B, grain, [&](int64_t a, int64_t b) { sequence_sums<lp_t, ref_t, acc_t>(v, a, b, sums); });
+// What the phases add up for the loss and its statistics, in double (docs/contract.md, "Statistics").
+struct LossTotals {
+  double num_tokens = 0, num_seqs = 0, kl_sum = 0, nonfinite = 0;  // over sequences with counted tokens
+  double is_changed = 0, is_coef = 0;  // over the units the IS correction acts on: sequences, or tokens
+  double loss = 0, ppo_clipped = 0, rejected = 0;
+};
 
-  const acc_t* s = out.seq_log_weight;
-  double num_tokens = 0, num_seqs = 0, kl_sum = 0, nonfinite = 0;
+template <typename acc_t>
+LossTotals count_sequences(const acc_t* s, const acc_t* length, const acc_t* kl, int64_t B) {
+  LossTotals tot;
   for (int64_t i = 0; i < B; ++i) {
     if (!(length[i] > 0)) continue;
-    num_tokens += length[i];
-    num_seqs += 1;
-    kl_sum += kl[i];
-    nonfinite += std::isfinite(static_cast<double>(s[i])) ? 0 : 1;
+    tot.num_tokens += length[i];
+    tot.num_seqs += 1;
+    tot.kl_sum += kl[i];
+    tot.nonfinite += std::isfinite(static_cast<double>(s[i])) ? 0 : 1;
   }
+  return tot;
+}
 
-  // Truncated log weights min(s, log C), for the ESS and OPOB options that use them.
-  std::vector<acc_t> s_trunc(B), s_opob(B);
-  for (int64_t i = 0; i < B; ++i) {
-    s_trunc[i] = min_keep_nan(s[i], p.log_hi);
-    s_opob[i] = o.opob_weight == OpobWeight::Raw         ? s[i]
-                : o.opob_weight == OpobWeight::Truncated ? s_trunc[i]
-                                                         : s[i] + s_trunc[i];
-  }
-  const EssResult ess = effective_sample_size(o.ess_on_corrected ? s_trunc.data() : s, length.data(), B,
-                                              o.ess_base_ratio, o.lr_rule);
+// Truncated log weights min(s, log C), for the ESS and OPOB options that use them.
+template <typename acc_t>
+std::vector<acc_t> truncated_log_weights(const acc_t* s, int64_t B, const LossParams<acc_t>& p) {
+  std::vector<acc_t> out(B);
+  for (int64_t i = 0; i < B; ++i) out[i] = min_keep_nan(s[i], p.log_hi);
+  return out;
+}
 
-  const GroupInputs<acc_t> groups{static_cast<const acc_t*>(seq.rewards), length.data(), seq.group, B,
-                                  seq.num_groups};
-  if (o.advantage == Advantage::Given) {
-    const acc_t* given = static_cast<const acc_t*>(seq.advantages);
-    for (int64_t g = 0; g < seq.num_groups; ++g) out.baseline[g] = 0;
-    for (int64_t i = 0; i < B; ++i) out.advantages[i] = length[i] > 0 ? given[i] : acc_t(0);
-  } else if (o.advantage == Advantage::Opob) {
-    opob_baseline(groups, s_opob.data(), static_cast<const acc_t*>(seq.grad_sq_norm), o.opob_length_norm,
-                  o.norm_by_std, out.baseline, out.advantages, o.opob_aggregation, o.winsorize_low,
-                  o.winsorize_high);
-  } else {
-    classic_advantages(groups, o.advantage, o.norm_by_std, out.baseline, out.advantages);
-  }
+// Which sequences a sequence-level rejection criterion removes (none without such a criterion).
+template <typename lp_t, typename ref_t, typename acc_t>
+std::vector<char> rejected_sequences(const TokenView& v, const acc_t* length, const LossOptions& o, int64_t grain) {
+  std::vector<char> out(v.num_seqs, 0);
+  if (!o.rejects_sequences()) return out;
+  at::parallel_for(0, v.num_seqs, grain, [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i) out[i] = length[i] > 0 && sequence_rejected<lp_t, ref_t, acc_t>(v, i, length[i], o);
+  });
+  return out;
+}
 
-  // Sequence weights a_i of the aggregation and sequence-level IS coefficients c_i; a sequence-level rejection
-  // criterion sets a_i c_i to 0 (after the IS statistics, which are those without rejection).
-  std::vector<char> seq_out(B, 0);
-  if (o.rejects_sequences()) {
-    at::parallel_for(0, B, grain, [&](int64_t a, int64_t b) {
-      for (int64_t i = a; i < b; ++i) {
-        seq_out[i] = length[i] > 0 && sequence_rejected<lp_t, ref_t, acc_t>(v, i, length[i], o);
-      }
-    });
+// The weight a_i of sequence i in the loss aggregation.
+inline double aggregation_weight(const LossOptions& o, const LossTotals& tot, double length) {
+  switch (o.loss_agg) {
+    case LossAgg::TokenMean: return 1.0 / tot.num_tokens;
+    case LossAgg::SeqMeanTokenMean: return 1.0 / (tot.num_seqs * length);
+    case LossAgg::SeqMeanTokenSum: return 1.0 / tot.num_seqs;
+    case LossAgg::SeqMeanTokenSumNorm: return 1.0 / (tot.num_seqs * o.norm_length);
   }
-  double seq_changed = 0, seq_coef = 0, rejected = 0;
+  return 0;
+}
+
+// grad_scale_i = a_i c_i with the sequence-level IS coefficient c_i; a rejected sequence gets 0 (after the IS
+// statistics, which are those without rejection).
+template <typename acc_t>
+void sequence_weights(const acc_t* s, const acc_t* length, const char* rejected, int64_t B,
+                      const LossParams<acc_t>& p, const LossOptions& o, LossTotals& tot, acc_t* grad_scale) {
   for (int64_t i = 0; i < B; ++i) {
     if (!(length[i] > 0)) {
-      out.grad_scale[i] = 0;
+      grad_scale[i] = 0;
       continue;
     }
-    double a = 0;
-    switch (o.loss_agg) {
-      case LossAgg::TokenMean: a = 1.0 / num_tokens; break;
-      case LossAgg::SeqMeanTokenMean: a = 1.0 / (num_seqs * length[i]); break;
-      case LossAgg::SeqMeanTokenSum: a = 1.0 / num_seqs; break;
-      case LossAgg::SeqMeanTokenSumNorm: a = 1.0 / (num_seqs * o.norm_length); break;
-    }
+    const double a = aggregation_weight(o, tot, length[i]);
     acc_t c = 1;
     if (p.level != IsLevel::Token) {
       const acc_t lw = p.level == IsLevel::Geometric ? s[i] / length[i] : s[i];
       c = is_coef(lw, p);
-      seq_changed += is_changed(lw, p);
-      seq_coef += c;
+      tot.is_changed += is_changed(lw, p);
+      tot.is_coef += c;
     }
-    out.grad_scale[i] = seq_out[i] ? acc_t(0) : static_cast<acc_t>(a * c);
-    rejected += seq_out[i] ? length[i] : 0.0;
+    grad_scale[i] = rejected[i] ? acc_t(0) : static_cast<acc_t>(a * c);
+    tot.rejected += rejected[i] ? length[i] : 0.0;
   }
+}
 
-  // IS statistics are over the units the correction acts on: sequences, or tokens at token level.
-  const bool token_level = p.level == IsLevel::Token;
-  double loss = 0, ppo_clipped = 0;
-  double unit_changed = token_level ? 0 : seq_changed, unit_coef = token_level ? 0 : seq_coef;
-  const double unit_count = token_level ? num_tokens : num_seqs;
-  if (needs_token_pass(v, p)) {
-    std::vector<acc_t> tl(B), tc(B), tk(B), tp(B), tr(B);
-    const TokenSums<acc_t> ts{tl.data(), tc.data(), tk.data(), tp.data(), tr.data()};
-    at::parallel_for(0, B, grain, [&](int64_t a, int64_t b) {
-      token_pass<false, lp_t, ref_t, acc_t>(v, a, b, out.advantages, out.grad_scale, p, ts, nullptr);
-    });
-    for (int64_t i = 0; i < B; ++i) {
-      if (!(length[i] > 0)) continue;
-      if (out.grad_scale[i] != 0) loss += static_cast<double>(out.grad_scale[i]) * tl[i];  // c_i = 0: exactly 0
-      ppo_clipped += tp[i];
-      rejected += seq_out[i] ? 0.0 : static_cast<double>(tr[i]);
-      unit_changed += tc[i];
-      unit_coef += tk[i];
-    }
-  } else {
-    for (int64_t i = 0; i < B; ++i) {
-      if (length[i] > 0 && out.grad_scale[i] != 0) {
-        loss -= static_cast<double>(out.grad_scale[i]) * out.advantages[i] * length[i];
-      }
+// Baselines and advantages: given, OPOB (over the log weights the options pick) or a classic estimator.
+template <typename acc_t>
+void sequence_advantages(const SequenceInputs& seq, const acc_t* s, const acc_t* s_trunc, const acc_t* length,
+                         int64_t B, const LossOptions& o, const ForwardOutputs<acc_t>& out) {
+  if (o.advantage == Advantage::Given) {
+    const acc_t* given = static_cast<const acc_t*>(seq.advantages);
+    for (int64_t g = 0; g < seq.num_groups; ++g) out.baseline[g] = 0;
+    for (int64_t i = 0; i < B; ++i) out.advantages[i] = length[i] > 0 ? given[i] : acc_t(0);
+    return;
+  }
+  const GroupInputs<acc_t> groups{static_cast<const acc_t*>(seq.rewards), length, seq.group, B, seq.num_groups};
+  if (o.advantage != Advantage::Opob) {
+    classic_advantages(groups, o.advantage, o.norm_by_std, out.baseline, out.advantages);
+    return;
+  }
+  std::vector<acc_t> log_weight(B);
+  for (int64_t i = 0; i < B; ++i) {
+    log_weight[i] = o.opob_weight == OpobWeight::Raw         ? s[i]
+                    : o.opob_weight == OpobWeight::Truncated ? s_trunc[i]
+                                                             : s[i] + s_trunc[i];
+  }
+  opob_baseline(groups, log_weight.data(), static_cast<const acc_t*>(seq.grad_sq_norm), o.opob_length_norm,
+                o.norm_by_std, out.baseline, out.advantages, o.opob_aggregation, o.winsorize_low, o.winsorize_high);
+}
+
+// The loss and the token-level statistics from a pass over the tokens.
+template <typename lp_t, typename ref_t, typename acc_t>
+void token_terms(const TokenView& v, const acc_t* length, const char* rejected, const LossParams<acc_t>& p,
+                 int64_t grain, const ForwardOutputs<acc_t>& out, LossTotals& tot) {
+  const int64_t B = v.num_seqs;
+  std::vector<acc_t> tl(B), tc(B), tk(B), tp(B), tr(B);
+  const TokenSums<acc_t> ts{tl.data(), tc.data(), tk.data(), tp.data(), tr.data()};
+  at::parallel_for(0, B, grain, [&](int64_t a, int64_t b) {
+    token_pass<false, lp_t, ref_t, acc_t>(v, a, b, out.advantages, out.grad_scale, p, ts, nullptr);
+  });
+  for (int64_t i = 0; i < B; ++i) {
+    if (!(length[i] > 0)) continue;
+    if (out.grad_scale[i] != 0) tot.loss += static_cast<double>(out.grad_scale[i]) * tl[i];  // c_i = 0: exactly 0
+    tot.ppo_clipped += tp[i];
+    tot.rejected += rejected[i] ? 0.0 : static_cast<double>(tr[i]);
+    tot.is_changed += tc[i];
+    tot.is_coef += tk[i];
+  }
+}
+
+// The loss when the token terms are constant within each sequence: -sum_i grad_scale_i A_i L_i.
+template <typename acc_t>
+void constant_token_terms(const acc_t* length, int64_t B, const ForwardOutputs<acc_t>& out, LossTotals& tot) {
+  for (int64_t i = 0; i < B; ++i) {
+    if (length[i] > 0 && out.grad_scale[i] != 0) {
+      tot.loss -= static_cast<double>(out.grad_scale[i]) * out.advantages[i] * length[i];
     }
   }
+}
 
-  out.loss[0] = static_cast<acc_t>(loss);
+template <typename acc_t>
+void write_results(const LossTotals& tot, const EssResult& ess, bool token_level, const ForwardOutputs<acc_t>& out) {
+  const double units = token_level ? tot.num_tokens : tot.num_seqs;
+  out.loss[0] = static_cast<acc_t>(tot.loss);
   acc_t* sc = out.scalars;
   sc[kEss] = ess.ess;
   sc[kEssRatio] = ess.ess_ratio;
   sc[kLrScale] = ess.lr_scale;
-  sc[kIsClipFraction] = unit_count > 0 ? unit_changed / unit_count : 0.0;
-  sc[kMeanIsCoef] = unit_count > 0 ? unit_coef / unit_count : 0.0;
-  sc[kKlK3] = num_tokens > 0 ? kl_sum / num_tokens : 0.0;
-  sc[kNumTokens] = num_tokens;
-  sc[kNumSeqs] = num_seqs;
-  sc[kNumNonfinite] = nonfinite;
-  sc[kPpoClipFraction] = num_tokens > 0 ? ppo_clipped / num_tokens : 0.0;
-  sc[kRejectedFraction] = num_tokens > 0 ? rejected / num_tokens : 0.0;
+  sc[kIsClipFraction] = units > 0 ? tot.is_changed / units : 0.0;
+  sc[kMeanIsCoef] = units > 0 ? tot.is_coef / units : 0.0;
+  sc[kKlK3] = tot.num_tokens > 0 ? tot.kl_sum / tot.num_tokens : 0.0;
+  sc[kNumTokens] = tot.num_tokens;
+  sc[kNumSeqs] = tot.num_seqs;
+  sc[kNumNonfinite] = tot.nonfinite;
+  sc[kPpoClipFraction] = tot.num_tokens > 0 ? tot.ppo_clipped / tot.num_tokens : 0.0;
+  sc[kRejectedFraction] = tot.num_tokens > 0 ? tot.rejected / tot.num_tokens : 0.0;
+}
+
+// The phases in the order of the CUDA op (ops.cu, policy_loss.cuh): sequence sums, batch step (counts, ESS,
+// a_i c_i), advantages, token terms, results.
+template <typename lp_t, typename ref_t, typename acc_t>
+void policy_loss_forward(const TokenView& v, const SequenceInputs& seq, const LossParams<acc_t>& p,
+                         const LossOptions& o, const ForwardOutputs<acc_t>& out) {
+  const int64_t B = v.num_seqs;
+  const int64_t grain = sequence_grain(B, v.cu_seqlens[B]);
+  std::vector<acc_t> length(B), kl(B);
+  const SequenceSums<acc_t> sums{out.seq_log_weight, length.data(), kl.data()};
+  at::parallel_for(0, B, grain, [&](int64_t a, int64_t b) { sequence_sums<lp_t, ref_t, acc_t>(v, a, b, sums); });
+  const acc_t* s = out.seq_log_weight;
+
+  LossTotals tot = count_sequences(s, length.data(), kl.data(), B);
+  const std::vector<acc_t> s_trunc = truncated_log_weights(s, B, p);
+  const EssResult ess = effective_sample_size(o.ess_on_corrected ? s_trunc.data() : s, length.data(), B,
+                                              o.ess_base_ratio, o.lr_rule);
+  const std::vector<char> rejected = rejected_sequences<lp_t, ref_t, acc_t>(v, length.data(), o, grain);
+  sequence_weights(s, length.data(), rejected.data(), B, p, o, tot, out.grad_scale);
+
+  sequence_advantages(seq, s, s_trunc.data(), length.data(), B, o, out);
+  if (needs_token_pass(v, p)) {
+    token_terms<lp_t, ref_t, acc_t>(v, length.data(), rejected.data(), p, grain, out, tot);
+  } else {
+    constant_token_terms(length.data(), B, out, tot);
+  }
+  write_results(tot, ess, p.level == IsLevel::Token, out);
 }
 
 // d loss / d logp for every token (zero on tokens that do not count).
