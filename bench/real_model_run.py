@@ -48,7 +48,7 @@ def write_data(path: str) -> int:
 
 
 def train_command(args, data: str) -> list[str]:
-    return [sys.executable, "-m", "vcpo.cli", "train", "--model", gguf_path(), "--data", data, "--reward", "math",
+    return [sys.executable, "-m", "vcpo.trainer.cli", "train", "--model", gguf_path(), "--data", data, "--reward", "math",
             "--temperature", "0.5", "--max-new-tokens", str(args.max_new_tokens), "--max-staleness", "4",
             "--lr", str(args.lr), "--prompts-per-step", str(args.prompts), "--responses-per-prompt",
             str(args.responses), "--eval-size", "128",

@@ -9,7 +9,7 @@ RULES: `seq-tis`, `vcpo`, `vcpo-lr-linear`, ...; each at a constant lr, as in th
 
 The same command again continues an unfinished run from its last checkpoint (`vcpo train --resume FOLDER`, printed
 before it starts), then writes the summary; `--summary-only` only writes the summary of a finished folder. Run by
-hand, the resume is `$PY -m vcpo.cli train --resume FOLDER --no-progress`, then this script with --summary-only.
+hand, the resume is `$PY -m vcpo.trainer.cli train --resume FOLDER --no-progress`, then this script with --summary-only.
 
 **The held-out split: whole operand pairs.** bench/real_model_run.py held out (pair, phrasing) combinations, so
 most held-out sums were trained on in another phrasing. Here the unordered operand pairs {a, b} (55 of them, a, b
@@ -86,7 +86,7 @@ def write_rows(path: str, pairs: list[tuple[int, int]]) -> int:
 
 
 def train_command(args, data: str, held: str) -> list[str]:
-    return [sys.executable, "-m", "vcpo.cli", "train", "--model", gguf_path(), "--data", data, "--eval-data", held,
+    return [sys.executable, "-m", "vcpo.trainer.cli", "train", "--model", gguf_path(), "--data", data, "--eval-data", held,
             "--reward", "math", "--temperature", "0.5", "--max-new-tokens", str(args.max_new_tokens),
             "--max-staleness", str(args.k), "--exact-staleness", "--seed", str(args.seed), "--lr", str(args.lr),
             "--prompts-per-step", str(args.prompts), "--responses-per-prompt", str(args.responses),
@@ -182,7 +182,7 @@ def main() -> None:
           f"(pairs {sizes['held_pairs']})")
     command = train_command(args, data, held)
     if os.path.isfile(os.path.join(args.out, "config.json")) and not args.summary_only:
-        resume = [sys.executable, "-m", "vcpo.cli", "train", "--resume", args.out, "--no-progress"]
+        resume = [sys.executable, "-m", "vcpo.trainer.cli", "train", "--resume", args.out, "--no-progress"]
         print("continuing:", " ".join(resume), flush=True)
         code = subprocess.call(resume)
     elif not args.summary_only:

@@ -314,7 +314,7 @@ def sweep(args, runs: list[Run]) -> None:
         started = time.monotonic()
         log_path = os.path.join(args.out, run.name + ".log")
         with open(log_path, "a") as log:
-            code = subprocess.call([sys.executable, "-m", "vcpo.cli", "train", *train_args(run, args)],
+            code = subprocess.call([sys.executable, "-m", "vcpo.trainer.cli", "train", *train_args(run, args)],
                                    stdout=log, stderr=subprocess.STDOUT)
         durations.append(time.monotonic() - started)
         if code != 0:

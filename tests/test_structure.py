@@ -90,11 +90,11 @@ def test_no_product_file_over_max_lines():
 
 
 def _layer(module: str) -> int:
-    """0 the kernels, 1 the algorithm, 2 the trainer and the CLI (docs/architecture.md): imports go to a layer at or
-    below the importer's."""
+    """0 the kernels, 1 the algorithm, 2 the trainer (docs/architecture.md): imports go to a layer at or below the
+    importer's."""
     if module.startswith("vcpo_kernels"):
         return 0
-    return 2 if module.startswith("vcpo.trainer") or module == "vcpo.cli" else 1
+    return 2 if module.startswith("vcpo.trainer") else 1
 
 
 def test_imports_go_down_the_layers():
@@ -105,7 +105,53 @@ def test_imports_go_down_the_layers():
 
 
 def test_the_layer_check_sees_an_upward_import():
-    assert _layer("vcpo_kernels.ops") < _layer("vcpo.step") < _layer("vcpo.trainer.run") == _layer("vcpo.cli")
+    assert _layer("vcpo_kernels.ops") < _layer("vcpo.step") < _layer("vcpo.trainer.run") == _layer("vcpo.trainer.cli")
+
+
+# The trainer's inner layers, top to bottom (docs/architecture.md): a module imports its own layer's and those below.
+# A name ending in "." is a whole package. Every trainer module is in exactly one layer.
+TRAINER_LAYERS = (
+    ("the commands", ("vcpo.trainer", "vcpo.trainer.__main__", "vcpo.trainer.cli", "vcpo.trainer.ray_launch")),
+    ("the loop", ("vcpo.trainer.run",)),
+    ("the loop's parts", ("vcpo.trainer.evaluate", "vcpo.trainer.export", "vcpo.trainer.task", "vcpo.trainer.policy",
+                          "vcpo.trainer.run_folder", "vcpo.trainer.loop_state")),
+    ("the engines", ("vcpo.trainer.engines.",)),
+    ("where things run", ("vcpo.trainer.placement.",)),
+    ("the settings", ("vcpo.trainer.config",)),
+    ("the foundations", ("vcpo.trainer.data", "vcpo.trainer.errors", "vcpo.trainer.gguf_models", "vcpo.trainer.lora",
+                         "vcpo.trainer.lr_schedule", "vcpo.trainer.plot", "vcpo.trainer.process_guard",
+                         "vcpo.trainer.report", "vcpo.trainer.rewards", "vcpo.trainer.rollouts",
+                         "vcpo.trainer.tiny", "vcpo.trainer.net")),
+)
+
+
+def _trainer_layer(module: str) -> int:
+    """The depth of `module` in TRAINER_LAYERS (0 the top); -1 outside the trainer."""
+    for depth, (_, names) in enumerate(TRAINER_LAYERS):
+        if any(module.startswith(n) or module == n[:-1] if n.endswith(".") else module == n for n in names):
+            return depth
+    return -1
+
+
+def test_the_trainer_imports_go_down_its_layers():
+    modules = _modules()
+    trainer = [name for name, path in modules.items() if path and name.startswith("vcpo.trainer")]
+    unplaced = [name for name in trainer if _trainer_layer(name) < 0]
+    assert not unplaced, f"trainer modules in no layer of TRAINER_LAYERS: {unplaced}"
+    upward = sorted((name, target) for name in trainer for target in _imports(name, modules[name], modules)
+                    if target.startswith("vcpo.trainer") and _trainer_layer(target) < _trainer_layer(name))
+    assert not upward, "imports from a lower trainer layer to a higher one: " + ", ".join(
+        f"{a} ({TRAINER_LAYERS[_trainer_layer(a)][0]}) -> {b} ({TRAINER_LAYERS[_trainer_layer(b)][0]})"
+        for a, b in upward)
+
+
+def test_the_trainer_layer_check_sees_an_upward_import():
+    assert _trainer_layer("vcpo.trainer.cli") < _trainer_layer("vcpo.trainer.run") < \
+        _trainer_layer("vcpo.trainer.policy") < _trainer_layer("vcpo.trainer.engines.pool") < \
+        _trainer_layer("vcpo.trainer.placement.ranks") < _trainer_layer("vcpo.trainer.config") < \
+        _trainer_layer("vcpo.trainer.data")
+    assert _trainer_layer("vcpo.trainer.engines") == _trainer_layer("vcpo.trainer.engines.start")
+    assert _trainer_layer("vcpo_kernels.ops") == -1
 
 
 def test_every_package_is_installed():

@@ -289,7 +289,7 @@ if __name__ == "__main__":
 def test_every_rule_is_the_loss_it_names(monkeypatch):
     """Each rule's `vcpo train` arguments parse, and the VCPO variants differ from `vcpo` in their one option."""
     import vcpo.trainer.run
-    from vcpo.cli import main
+    from vcpo.trainer.cli import main
 
     configs, schedules = {}, {}
     def train(cfg, **kwargs):

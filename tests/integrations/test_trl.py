@@ -20,7 +20,7 @@ from trl import GRPOConfig, GRPOTrainer
 import vcpo
 from vcpo import VCPOConfig
 from vcpo.integrations.trl import VCPOGRPOConfig, VCPOGRPOTrainer, _no_step
-from vcpo.trainer.engines.servers import free_port
+from vcpo.trainer.net import free_port
 from vcpo.trainer.tiny import TinyRecipe, build_model, build_tokenizer
 from support.trl_callbacks import Recorder
 

@@ -105,6 +105,6 @@ if __name__ == "__main__":
             {"fake_engine": fake_engine, "kill_server_mid_sync": kill_server_mid_sync}[name](**value)
         else:
             {"slow_commit": slow_commit, "slow_sync": slow_sync, "disk_full_at_step": disk_full_at_step}[name](value)
-    from vcpo.cli import main
+    from vcpo.trainer.cli import main
 
     sys.exit(main(["train", *sys.argv[2:]]))

@@ -291,7 +291,7 @@ def test_train_with_a_chat_template_and_math_reward(tmp_path):
     folder = tmp_path / "run"
     env = {**os.environ, "VCPO_CACHE": str(tmp_path / "cache")}
     proc = subprocess.run(
-        [sys.executable, "-m", "vcpo.cli", "train", "--model", model, "--data", str(data), "--prompt-field", "q",
+        [sys.executable, "-m", "vcpo.trainer.cli", "train", "--model", model, "--data", str(data), "--prompt-field", "q",
          "--answer-field", "a", "--chat-template", str(template), "--system-prompt", "be brief.", "--reward", "math",
          "--engine", "inprocess", "--steps", "2", "--prompts-per-step", "2", "--responses-per-prompt", "2",
          "--max-new-tokens", "4", "--eval-size", "2", "--eval-every", "0", "--loss", "grpo", "--lr", "1e-4",

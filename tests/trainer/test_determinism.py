@@ -36,7 +36,7 @@ def run(folder, seed):
     reward.write_text("def score(response, answer):\n    return len(response) / 10\n")
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join([str(reward.parent), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "vcpo.cli", "train", *ARGS, "--reward", "length_reward:score",
+    proc = subprocess.run([sys.executable, "-m", "vcpo.trainer.cli", "train", *ARGS, "--reward", "length_reward:score",
                            "--seed", str(seed), "--output-dir", str(folder)], env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -120,7 +120,7 @@ def trained(tmp_path_factory):
 
     def vcpo(*commands):
         """`vcpo` commands, one after the other in one process (vLLM is imported once)."""
-        code = "from vcpo.cli import main\nfor args in %r:\n    assert main(args) == 0, args\n" % (
+        code = "from vcpo.trainer.cli import main\nfor args in %r:\n    assert main(args) == 0, args\n" % (
             [list(map(str, c)) for c in commands],)
         proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -86,7 +86,7 @@ def test_a_bad_eval_data_is_an_error_naming_it(files, tmp_path):
 
 
 def test_the_cli_has_eval_data_and_reports_a_bad_one(files, capsys):
-    from vcpo.cli import main
+    from vcpo.trainer.cli import main
 
     assert main(["train", "--model", files[0], "--data", files[1], "--eval-data", "/no/such/held.jsonl"]) == 2
     assert "eval_data: no such file or folder '/no/such/held.jsonl'" in capsys.readouterr().err

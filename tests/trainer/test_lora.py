@@ -192,11 +192,11 @@ def lora_run(tmp_path_factory):
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         return proc.stdout
 
-    python(["-m", "vcpo.cli", "train", "--model", str(model), "--data", str(data), "--reward", "length_reward:score",
+    python(["-m", "vcpo.trainer.cli", "train", "--model", str(model), "--data", str(data), "--reward", "length_reward:score",
             "--engine", "process", "--steps", "4", "--prompts-per-step", "4", "--responses-per-prompt", "4",
             "--max-new-tokens", "6", "--eval-size", "8", "--eval-every", "100", "--checkpoint-every", "2",
             "--max-staleness", "0", "--loss", "grpo", "--lr", "2e-2", "--lora-rank", "8", *common])
-    python(["-m", "vcpo.cli", "train", "--resume", str(folder), "--steps", "6", "--engine", "inprocess", *common])
+    python(["-m", "vcpo.trainer.cli", "train", "--resume", str(folder), "--steps", "6", "--engine", "inprocess", *common])
     script = tmp / "after_run.py"
     script.write_text("if __name__ == '__main__':\n" + textwrap.indent(AFTER_RUN, "    "))
     out = python([str(script), str(folder), str(tmp / "export"), str(model), str(tmp / "sync")])

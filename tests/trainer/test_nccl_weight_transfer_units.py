@@ -14,7 +14,7 @@ from vcpo.trainer import make_config
 def test_weight_transfer_settings(monkeypatch, capsys):
     import torch
 
-    from vcpo.cli import main
+    from vcpo.trainer.cli import main
 
     assert make_config().weight_transfer == "storage"
     with pytest.raises(ValueError, match="weight_transfer must be one of"):

@@ -37,7 +37,7 @@ class Run:
     def __init__(self, args, env, log):
         self.log = log
         with open(log, "w") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "vcpo.cli", "train", *args], env=env, stdout=out,
+            self.proc = subprocess.Popen([sys.executable, "-m", "vcpo.trainer.cli", "train", *args], env=env, stdout=out,
                                          stderr=subprocess.STDOUT)
         self.seen = {}
 
@@ -145,6 +145,6 @@ def test_ray_settings_are_checked():
 
     with pytest.raises(ValueError, match="ray must be local or a Ray cluster's address"):
         make_config(ray=5).validate()
-    proc = subprocess.run([sys.executable, "-m", "vcpo.cli", "train", "--ray", "127.0.0.1:1", "--steps", "1"],
+    proc = subprocess.run([sys.executable, "-m", "vcpo.trainer.cli", "train", "--ray", "127.0.0.1:1", "--steps", "1"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "ray: nothing answers at '127.0.0.1:1'" in proc.stderr, proc.stderr[-3000:]

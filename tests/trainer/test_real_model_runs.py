@@ -85,7 +85,7 @@ def test_lora_run_from_the_gguf_file_then_eval(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
     def vcpo(*argv):
-        proc = subprocess.run([sys.executable, "-m", "vcpo.cli", *map(str, argv)], env=env, capture_output=True,
+        proc = subprocess.run([sys.executable, "-m", "vcpo.trainer.cli", *map(str, argv)], env=env, capture_output=True,
                               text=True, timeout=1200)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         return proc.stdout + proc.stderr

@@ -163,7 +163,7 @@ def test_allowed_settings_reach_the_trainers_log_probs(capsys):
         assert make_config(**off).vcpo_config().temperature == 1.0
     cfg = make_config(temperature=0.7)
     assert cfg.vcpo_config().temperature == 0.7 and cfg.to_dict()["temperature"] == 0.7  # in config.json
-    from vcpo.cli import main
+    from vcpo.trainer.cli import main
 
     assert main(["train", "--top-k", "20"]) == 2
     assert "vcpo train: error: top_k 20 is refused" in capsys.readouterr().err
@@ -280,7 +280,7 @@ def test_a_run_at_a_temperature_is_on_policy_at_k0(tmp_path):
     data.write_text("".join(json.dumps({"prompt": f"<s>{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in range(12)))
     folder = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "vcpo.cli", "train", "--model", str(tmp_path / "model"), "--data", str(data),
+        [sys.executable, "-m", "vcpo.trainer.cli", "train", "--model", str(tmp_path / "model"), "--data", str(data),
          "--engine", "inprocess", "--temperature", "0.6", "--max-staleness", "0", "--steps", "3",
          "--prompts-per-step", "2", "--responses-per-prompt", "4", "--max-new-tokens", "8", "--eval-size", "2",
          "--lr", "1e-3", "--output-dir", str(folder), "--no-progress"],

@@ -15,7 +15,8 @@ import threading
 import httpx
 import pytest
 
-from vcpo.trainer.engines.servers import KEY_ENV, LocalServers, RequireKey, free_port, http_client, serve, servers_key
+from vcpo.trainer.engines.servers import KEY_ENV, LocalServers, RequireKey, http_client, serve, servers_key
+from vcpo.trainer.net import free_port
 
 KEY = "k3y-0f-th1s-test"
 PROXY_VARIABLES = ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")

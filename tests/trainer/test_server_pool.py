@@ -20,7 +20,8 @@ pytest.importorskip("vllm")
 from support.tiny_models import logprobs, save_tiny_model  # noqa: E402
 from support.vllm_metrics import requests_running  # noqa: E402
 from vcpo.trainer import tiny  # noqa: E402
-from vcpo.trainer.engines.servers import KEY_ENV, free_port  # noqa: E402
+from vcpo.trainer.engines.servers import KEY_ENV  # noqa: E402
+from vcpo.trainer.net import free_port  # noqa: E402
 
 KEY = "test-key-" + os.urandom(8).hex()  # the servers'
 
@@ -137,7 +138,7 @@ def test_nccl_transfer_refuses_servers_without_its_flag(servers, tmp_path):
 
 
 def run_cli(args, env, timeout=900):
-    return subprocess.run([sys.executable, "-m", "vcpo.cli", "train", *args], env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "vcpo.trainer.cli", "train", *args], env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 

@@ -17,7 +17,8 @@ import torch
 from support.processes import RunProcesses
 from support.vllm_metrics import requests_running
 
-from vcpo.trainer.engines.servers import KEY_ENV, free_port
+from vcpo.trainer.engines.servers import KEY_ENV
+from vcpo.trainer.net import free_port
 
 pytest.importorskip("vllm")
 
@@ -89,7 +90,7 @@ def test_servers_killed_mid_sync_and_mid_run_then_resume_with_another_pool(tmp_p
         assert gone(s["pid"]) and not os.path.exists(s["tmp"])
     checkpoint = sorted(os.listdir(folder / "checkpoints"))[-1]
 
-    resumed = subprocess.run([sys.executable, "-m", "vcpo.cli", "train", "--resume", str(folder),
+    resumed = subprocess.run([sys.executable, "-m", "vcpo.trainer.cli", "train", "--resume", str(folder),
                               "--engine-servers", "1", "--no-progress"], env=env, capture_output=True, text=True,
                              timeout=900)
     assert resumed.returncode == 0, resumed.stderr[-5000:]
@@ -151,7 +152,7 @@ def test_sigkill_takes_the_servers_down_and_sigterm_with_a_batch_in_flight_exits
     model, data = long_answers(tmp_path)
     folder = tmp_path / "run"
     args = ["--engine-servers", "1", "--no-progress", "--steps", "200", "--checkpoint-every", "2"]
-    first = subprocess.Popen([sys.executable, "-m", "vcpo.cli", "train", "--engine", "server", "--model", model,
+    first = subprocess.Popen([sys.executable, "-m", "vcpo.trainer.cli", "train", "--engine", "server", "--model", model,
                               "--data", data, "--max-new-tokens", "300", "--prompts-per-step", "2",
                               "--responses-per-prompt", "2", "--loss", "grpo", "--max-staleness", "2", "--eval-size",
                               "8", "--eval-every", "0", "--output-dir", str(folder), *args], env=env,
@@ -176,7 +177,7 @@ def test_sigkill_takes_the_servers_down_and_sigterm_with_a_batch_in_flight_exits
     assert gone(server["pid"]) and not os.path.exists(server["tmp"])
     resumed_from = int(os.path.basename(RunFolder.latest_checkpoint(str(folder))).split("-")[1])
 
-    second = subprocess.Popen([sys.executable, "-m", "vcpo.cli", "train", "--resume", str(folder), *args], env=env,
+    second = subprocess.Popen([sys.executable, "-m", "vcpo.trainer.cli", "train", "--resume", str(folder), *args], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # its lines reach the file whole at each checkpoint (count them by their ends: one may be half written)
     wait_for(second, lambda: metrics.read_bytes().count(b"\n") >= resumed_from + 2)

@@ -168,7 +168,7 @@ def test_server_urls_are_parsed():
 
 
 def test_cli_reports_bad_settings(capsys):
-    from vcpo.cli import main
+    from vcpo.trainer.cli import main
 
     assert main(["train", "--steps", "0"]) == 2
     assert "steps must be an integer >= 1" in capsys.readouterr().err
@@ -183,7 +183,7 @@ def test_cli_reports_bad_settings(capsys):
 
 
 def test_plot_command_draws_runs(tmp_path, capsys):
-    from vcpo.cli import main
+    from vcpo.trainer.cli import main
 
     for name, k in (("sync", 0), ("async", 4)):
         folder = tmp_path / name
@@ -220,7 +220,7 @@ def test_every_setting_is_written_once():
     import sys
     from dataclasses import fields
 
-    from vcpo.cli import main
+    from vcpo.trainer.cli import main
     from vcpo.trainer.config import RESUMABLE, TrainConfig
 
     for f in fields(TrainConfig):

@@ -33,7 +33,7 @@ def env(tmp_path_factory):
 
 
 def _cli(args, env, **kw):
-    return [sys.executable, "-m", "vcpo.cli", "train", *args]
+    return [sys.executable, "-m", "vcpo.trainer.cli", "train", *args]
 
 
 def run(args, env, timeout=600):

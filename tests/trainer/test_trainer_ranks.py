@@ -23,7 +23,7 @@ COMPARED = ("reward", "loss", "ess_ratio", "lr_scale", "lr", "grad_norm", "grad_
             "advantage_abs_mean")
 
 
-def train(args, env, launcher=("-m", "vcpo.cli", "train")):
+def train(args, env, launcher=("-m", "vcpo.trainer.cli", "train")):
     proc = subprocess.run([sys.executable, *launcher, *args], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
@@ -90,7 +90,7 @@ def test_ranks_and_fsdp_take_the_steps_of_one_rank_and_resume_with_any_number(on
     (["--engine", "inprocess", "--trainer-ranks", "2"], "trainer_ranks > 1 needs engine process or server"),
 ])
 def test_rank_settings_are_checked_before_launch(tmp_path, capsys, argv, message):
-    from vcpo.cli import main
+    from vcpo.trainer.cli import main
 
     assert main(["train", *argv, "--output-dir", str(tmp_path / "run")]) == 2
     assert message in capsys.readouterr().err and not (tmp_path / "run").exists()
@@ -120,7 +120,7 @@ def test_a_killed_rank_or_launcher_ends_the_run_and_the_last_checkpoint_resumes(
     folder, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
 
     def launch(args):
-        proc = subprocess.Popen([sys.executable, "-m", "vcpo.cli", "train", *args, "--trainer-ranks", "2"], env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "vcpo.trainer.cli", "train", *args, "--trainer-ranks", "2"], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         return proc, RunProcesses(proc.pid)
 

@@ -3,6 +3,6 @@
 
 import sys
 
-from vcpo.cli import main
+from vcpo.trainer.cli import main
 
 sys.exit(main(["train", *sys.argv[1:]]))

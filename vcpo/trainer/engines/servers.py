@@ -19,7 +19,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ from typing import Callable, Optional, Sequence
 from ..config import WEIGHT_TRANSFERS
 from ..errors import ServerStartError
 from ..gguf_models import is_gguf, model_folder
+from ..net import free_port
 from ..process_guard import RPC_ENV, runtime_dir
 from .interface import LOGPROBS_MODE
 from .rollout_engine import unsplit_prefill
@@ -203,14 +203,6 @@ def servers_key() -> str:
     return os.environ.get(KEY_ENV) or secrets.token_urlsafe(32)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on `host` (an IPv4 address of this machine) that nothing listens on now (it is bound a moment
-    later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def split_cores(cores: Sequence[int], count: int) -> list[list[int]]:
     """`cores` in `count` contiguous, near-equal parts (a server's worker threads stay on its own cores)."""
     if count > len(cores):
@@ -304,7 +296,7 @@ class LocalServers:
             env["CUDA_VISIBLE_DEVICES"] = self.gpus[i]
         log_path = os.path.join(self.log_dir, f"server-{i}.log")
         with open(log_path, "ab") as log_file:
-            proc = subprocess.Popen([sys.executable, "-m", "vcpo.cli", "serve", self.model, *listen, *self.args],
+            proc = subprocess.Popen([sys.executable, "-m", "vcpo.trainer.cli", "serve", self.model, *listen, *self.args],
                                     env=env, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
         if self.cores is not None:

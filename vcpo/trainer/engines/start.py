@@ -17,9 +17,9 @@ import torch
 from ..config import TrainConfig
 from ..errors import WeightSyncError
 from ..placement.devices import core_plan, gpu_plan, local_server_count, pin_engine_processes, pin_trainer
-from ..placement.ray_servers import RayServers
 from .interface import Engine
 from .pool import ServerPool, check_reachable
+from .ray_servers import RayServers
 from .rollout_engine import RolloutEngine
 from .servers import LocalServers, servers_key, split_cores
 

@@ -31,7 +31,8 @@ from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactor
 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
 from .interface import TransferError, unique_tensors
-from .servers import NCCL_SERVER_ARGS, UNIX, free_port, http_client
+from ..net import free_port
+from .servers import NCCL_SERVER_ARGS, UNIX, http_client
 
 SERVER_FLAG = " ".join(NCCL_SERVER_ARGS[:1] + [f"'{NCCL_SERVER_ARGS[1]}'"])  # as typed in a shell
 HANDSHAKE_SECONDS = 330.0  # vLLM's rendezvous store waits 300 s for the workers; then it fails by itself

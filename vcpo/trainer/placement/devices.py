@@ -1,6 +1,6 @@
 """Where a run's processes go on one machine (docs/scale.md): on a CPU machine, the engine's cores and the
 trainer's, disjoint when there are enough; on a GPU machine, the GPU of each local vLLM server. On Ray, the placement
-group's bundles place the ranks and servers instead (ray_launch.py, ray_servers.py)."""
+group's bundles place the ranks and servers instead (../ray_launch.py, ../engines/ray_servers.py)."""
 
 from __future__ import annotations
 

@@ -18,12 +18,12 @@ import sys
 import time
 from typing import Optional
 
-from ..config import TrainConfig
-from ..engines.servers import free_port
-from ..errors import TrainerRankDied
-from ..run import train
-from .devices import local_server_count
-from .ray_servers import bundle_options, bundle_shape
+from .config import TrainConfig
+from .engines.ray_servers import bundle_options, bundle_shape
+from .errors import TrainerRankDied
+from .net import free_port
+from .placement.devices import local_server_count
+from .run import train
 
 LOCAL = ("local", "")  # --ray with no address: a Ray cluster on this machine, shut down at the end
 STOP_GRACE_S = 120.0  # after a Ctrl-C / SIGTERM: time for rank 0 to finish its step and checkpoint

@@ -1,14 +1,14 @@
 """`vcpo train --ray` with `engine: server` and `engine_servers` (docs/trainer.md, "Trainer ranks on Ray"): each
 vLLM server as a `vcpo serve` process started by a Ray actor on its own bundle of the run's placement group, which
-rank 0 starts (RayServers, LocalServers' interface); and the bundles the launcher (ray_launch.py) reserves."""
+rank 0 starts (RayServers, LocalServers' interface); and the bundles the launcher (vcpo/trainer/ray_launch.py) reserves."""
 
 from __future__ import annotations
 
 import json
 import os
 
-from ..engines.servers import LocalServers
 from ..errors import ServerStartError
+from .servers import LocalServers
 
 
 def bundle_shape(gpus: bool) -> dict:

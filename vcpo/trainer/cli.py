@@ -8,7 +8,7 @@ import sys
 import typing
 from dataclasses import fields
 
-from .config import VCPOConfig
+from vcpo.config import VCPOConfig
 
 
 def _flag(name: str) -> str:
@@ -23,7 +23,7 @@ def _value(text: str):
 
 
 def _train_parser(sub) -> argparse.ArgumentParser:
-    from .trainer.config import TrainConfig
+    from .config import TrainConfig
 
     p = sub.add_parser("train", help="asynchronous VCPO training on vLLM rollouts",
                        description="Train with asynchronous VCPO. With no arguments: the built-in tiny model on "
@@ -59,8 +59,8 @@ def _train_parser(sub) -> argparse.ArgumentParser:
 
 
 def _train(args: argparse.Namespace, argv: list) -> int:
-    from .trainer.config import load_file, make_config
-    from .trainer.run import resume_config, train
+    from .config import load_file, make_config
+    from .run import resume_config, train
 
     given = vars(args).copy()
     resume = given.pop("resume", None)
@@ -77,11 +77,10 @@ def _train(args: argparse.Namespace, argv: list) -> int:
         cfg = resume_config(resume, **settings)
     else:
         cfg = make_config(load_file(config_file) if config_file else None, **settings)
-    from .trainer.errors import CLI_ERRORS
-    from .trainer.placement.ranks import launch_ranks, launched_ranks
-    from .trainer.placement.ray_launch import train_on_ray
-
-    from .trainer.process_guard import guard
+    from .errors import CLI_ERRORS
+    from .placement.ranks import launch_ranks, launched_ranks
+    from .process_guard import guard
+    from .ray_launch import train_on_ray
 
     cfg.validate()
     guard()  # whatever this process starts ends with it, however it ends (docs/trainer.md, "Resume")
@@ -103,7 +102,7 @@ def _train(args: argparse.Namespace, argv: list) -> int:
 
 
 def _eval_parser(sub) -> None:
-    from .trainer.engines.interface import OWNED_MODES
+    from .engines.interface import OWNED_MODES
 
     p = sub.add_parser("eval", help="greedy accuracy, pass@k and mean@n of a checkpoint on held-out prompts",
                        description="Evaluate a checkpoint with vLLM; the result is written as JSON beside it "
@@ -126,8 +125,8 @@ def _eval_parser(sub) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from .trainer.errors import CLI_ERRORS
-    from .trainer.evaluate import run_eval
+    from .errors import CLI_ERRORS
+    from .evaluate import run_eval
 
     try:
         run_eval(args.model, data=args.data, reward=args.reward, n=args.n, engine=args.engine, output=args.output,
@@ -140,7 +139,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from .trainer.export import export
+    from .export import export
 
     export(args.model, args.output)
     return 0
@@ -149,7 +148,7 @@ def _export(args: argparse.Namespace) -> int:
 def _plot(args: argparse.Namespace) -> int:
     import os
 
-    from .trainer.plot import plot_runs, read_metrics
+    from .plot import plot_runs, read_metrics
 
     runs = {}
     for spec in args.runs:
@@ -166,7 +165,7 @@ def _plot(args: argparse.Namespace) -> int:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["serve"]:  # every argument is vLLM's: `vcpo serve MODEL --port 8000 ...`
-        from .trainer.engines.servers import serve
+        from .engines.servers import serve
 
         return serve(argv[1:])
     parser = argparse.ArgumentParser(prog="vcpo", description="Variance-controlled off-policy RL for LLMs")
