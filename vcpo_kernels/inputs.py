@@ -195,3 +195,90 @@ def sequence_batch(
     # A batch-scope baseline ignores the groups: do not even read them (that could be a host sync).
     g, ng = (None, 1) if batch_scope else group_index_tensor(group_index, num_groups, b, device, validate)
     return SequenceBatch(r, a, g, ng, grad_sq_norm_tensor(grad_sq_norm, b, device, dtype, validate))
+
+
+def _finite_positive(x) -> bool:
+    return not isinstance(x, bool) and isinstance(x, (int, float)) and 0 < x < float("inf")
+
+
+def linear_logprobs_inputs(
+    hidden,
+    weight,
+    targets,
+    bias: Optional[Tensor],
+    temperature,
+    softcap,
+    ignore_index: int,
+    chunk_size,
+    cu_seqlens,
+    seq_grad_sq_norm: Optional[Tensor],
+    seq_grad_row_ids: Optional[Tensor],
+    seq_grad_rows: Optional[Tensor],
+    validate: bool,
+) -> int:
+    """Checks the arguments of ops.linear_logprobs; returns the chunk size, by default 64 MiB of fp32 logits."""
+    hidden = require_tensor("hidden", hidden)
+    weight = require_tensor("weight", weight)
+    targets = require_tensor("targets", targets)
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden must be [N, H] and weight [V, H], got {tuple(hidden.shape)} and "
+                         f"{tuple(weight.shape)}")
+    n, v = hidden.shape[0], weight.shape[0]
+    if targets.shape != (n,) or targets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"targets must be an int tensor of shape [N] = [{n}], got {targets.dtype} "
+                         f"{tuple(targets.shape)}")
+    for name, t in (("hidden", hidden), ("weight", weight), ("bias", bias)):
+        if t is not None and not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if bias is not None and bias.shape != (v,):
+        raise ValueError(f"bias must have shape [V] = [{v}], got {tuple(bias.shape)}")
+    if not _finite_positive(temperature):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if softcap is not None and not _finite_positive(softcap):
+        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
+    if chunk_size is None:
+        chunk_size = max(1, (16 << 20) // max(v, 1))
+    elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
+    per_seq = _per_sequence_grads(hidden, cu_seqlens, seq_grad_sq_norm, seq_grad_row_ids, seq_grad_rows)
+    if validate:
+        _check_any("targets", (targets != ignore_index) & ((targets < 0) | (targets >= v)),
+                   f"must be in [0, V) = [0, {v}) or ignore_index ({ignore_index})")
+        if seq_grad_rows is not None:
+            _check_any("seq_grad_row_ids", (seq_grad_row_ids < 0) | (seq_grad_row_ids >= v),
+                       f"must be in [0, V) = [0, {v})")
+        if per_seq:
+            cu = cu_seqlens.tolist()
+            if cu[0] != 0 or cu[-1] != n or any(a > b for a, b in zip(cu, cu[1:])):
+                raise ValueError(f"cu_seqlens must rise from 0 to N = {n}, got {cu}")
+    return chunk_size
+
+
+def _per_sequence_grads(hidden: Tensor, cu_seqlens, seq_grad_sq_norm, seq_grad_row_ids, seq_grad_rows) -> bool:
+    """Checks linear_logprobs' per-sequence gradient outputs and their cu_seqlens; whether any is asked for."""
+    per_seq = seq_grad_sq_norm is not None or seq_grad_rows is not None
+    if (seq_grad_rows is None) != (seq_grad_row_ids is None):
+        raise ValueError("seq_grad_rows and seq_grad_row_ids go together")
+    if not per_seq:
+        if cu_seqlens is not None:
+            raise ValueError("cu_seqlens is only used with seq_grad_sq_norm or seq_grad_rows")
+        return False
+    if cu_seqlens is None:
+        raise ValueError("seq_grad_sq_norm and seq_grad_rows need cu_seqlens (the sequence boundaries)")
+    cu_seqlens = require_tensor("cu_seqlens", cu_seqlens)
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens must be a 1-D int tensor [B+1], got {cu_seqlens.dtype} "
+                         f"{tuple(cu_seqlens.shape)}")
+    b = cu_seqlens.numel() - 1
+    if seq_grad_sq_norm is not None and (seq_grad_sq_norm.shape != (b,) or not seq_grad_sq_norm.is_floating_point()):
+        raise ValueError(f"seq_grad_sq_norm must be a float tensor of shape [B] = [{b}]")
+    if seq_grad_rows is not None:
+        ids = require_tensor("seq_grad_row_ids", seq_grad_row_ids)
+        if ids.dim() != 2 or ids.shape[0] != b or ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"seq_grad_row_ids must be an int tensor [B, K] with B = {b}, got {ids.dtype} "
+                             f"{tuple(ids.shape)}")
+        want = (b, ids.shape[1], hidden.shape[1])
+        if seq_grad_rows.shape != want or not seq_grad_rows.is_floating_point():
+            raise ValueError(f"seq_grad_rows must be a float tensor of shape [B, K, H] = {list(want)}, got "
+                             f"{seq_grad_rows.dtype} {tuple(seq_grad_rows.shape)}")
+    return True

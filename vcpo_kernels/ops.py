@@ -15,6 +15,7 @@ from .inputs import (
     SequenceBatch,
     grad_sq_norm_tensor,
     group_index_tensor,
+    linear_logprobs_inputs,
     per_sequence,
     require_tensor,
     sequence_batch,
@@ -274,66 +275,9 @@ def linear_logprobs(
     `seq_grad_rows[i, k]` (the inner product with a tied embedding's per-sequence gradient needs the rows at its
     input ids). Only the first backward through a call adds to these two; a later one (the loss's, after a
     norm pass) gives the gradients alone."""
-    hidden = require_tensor("hidden", hidden)
-    weight = require_tensor("weight", weight)
-    targets = require_tensor("targets", targets)
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"hidden must be [N, H] and weight [V, H], got {tuple(hidden.shape)} and "
-                         f"{tuple(weight.shape)}")
-    n, v = hidden.shape[0], weight.shape[0]
-    if targets.shape != (n,) or targets.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"targets must be an int tensor of shape [N] = [{n}], got {targets.dtype} "
-                         f"{tuple(targets.shape)}")
-    for name, t in (("hidden", hidden), ("weight", weight), ("bias", bias)):
-        if t is not None and not t.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
-    if bias is not None and bias.shape != (v,):
-        raise ValueError(f"bias must have shape [V] = [{v}], got {tuple(bias.shape)}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not \
-            (0 < temperature < float("inf")):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not
-                                (0 < softcap < float("inf"))):
-        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
-    if chunk_size is None:
-        chunk_size = max(1, (16 << 20) // max(v, 1))  # 64 MiB of fp32 logits a chunk
-    elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
-    per_seq = seq_grad_sq_norm is not None or seq_grad_rows is not None
-    if (seq_grad_rows is None) != (seq_grad_row_ids is None):
-        raise ValueError("seq_grad_rows and seq_grad_row_ids go together")
-    if per_seq:
-        if cu_seqlens is None:
-            raise ValueError("seq_grad_sq_norm and seq_grad_rows need cu_seqlens (the sequence boundaries)")
-        cu_seqlens = require_tensor("cu_seqlens", cu_seqlens)
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"cu_seqlens must be a 1-D int tensor [B+1], got {cu_seqlens.dtype} "
-                             f"{tuple(cu_seqlens.shape)}")
-        b = cu_seqlens.numel() - 1
-        if seq_grad_sq_norm is not None and (seq_grad_sq_norm.shape != (b,) or
-                                             not seq_grad_sq_norm.is_floating_point()):
-            raise ValueError(f"seq_grad_sq_norm must be a float tensor of shape [B] = [{b}]")
-        if seq_grad_rows is not None:
-            ids = require_tensor("seq_grad_row_ids", seq_grad_row_ids)
-            if ids.dim() != 2 or ids.shape[0] != b or ids.dtype not in (torch.int32, torch.int64):
-                raise ValueError(f"seq_grad_row_ids must be an int tensor [B, K] with B = {b}, got {ids.dtype} "
-                                 f"{tuple(ids.shape)}")
-            want = (b, ids.shape[1], hidden.shape[1])
-            if seq_grad_rows.shape != want or not seq_grad_rows.is_floating_point():
-                raise ValueError(f"seq_grad_rows must be a float tensor of shape [B, K, H] = {list(want)}, got "
-                                 f"{seq_grad_rows.dtype} {tuple(seq_grad_rows.shape)}")
-    elif cu_seqlens is not None:
-        raise ValueError("cu_seqlens is only used with seq_grad_sq_norm or seq_grad_rows")
-    if _validating(validate):
-        bad = (targets != ignore_index) & ((targets < 0) | (targets >= v))
-        if bool(bad.any()):
-            raise ValueError(f"targets must be in [0, V) = [0, {v}) or ignore_index ({ignore_index})")
-        if seq_grad_rows is not None and bool(((seq_grad_row_ids < 0) | (seq_grad_row_ids >= v)).any()):
-            raise ValueError(f"seq_grad_row_ids must be in [0, V) = [0, {v})")
-        if per_seq:
-            cu = cu_seqlens.tolist()
-            if cu[0] != 0 or cu[-1] != n or any(a > b for a, b in zip(cu, cu[1:])):
-                raise ValueError(f"cu_seqlens must rise from 0 to N = {n}, got {cu}")
+    chunk_size = linear_logprobs_inputs(hidden, weight, targets, bias, temperature, softcap, ignore_index, chunk_size,
+                                        cu_seqlens, seq_grad_sq_norm, seq_grad_row_ids, seq_grad_rows,
+                                        _validating(validate))
     kernel = backends.kernel("linear_logprobs", backend, hidden.device)
     logp, entropy, sum_p2 = kernel(hidden, weight, targets.long(), bias, float(temperature),
                                    None if softcap is None else float(softcap), ignore_index, chunk_size,
