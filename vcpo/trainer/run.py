@@ -86,25 +86,11 @@ def _follow(cfg: TrainConfig, ranks: TrainerRanks, resume: bool) -> None:
 
 
 def _train(cfg: TrainConfig, ranks: TrainerRanks, resume: bool, log: Callable[[str], None], progress: bool) -> dict:
+    """Rank 0's run: set-up, the steps, the end (a checkpoint whichever way it ends), the summary."""
     preflight(cfg)  # a wrong URL fails in seconds, before the model is loaded
     run = RunFolder(cfg.output_dir, resume=resume, report_to=cfg.report_to, log=log)
     with Interrupt() as interrupt:  # from here on a signal ends the run through the `finally`s below
-        start = run.resume_checkpoint() if resume else None  # before the barrier: the other ranks take the same
-        problems = run_problems(cfg, log)
-        ranks.barrier()
-        policy = Policy(start or problems.model_dir, cfg, ranks, resume=resume)
-        task = Task(cfg, problems, policy.tokenizer, start or problems.model_dir, policy.model.config)
-        state = LoopState.load(start) if start else LoopState.fresh(cfg.seed)
-        if start:
-            run.rewind(state.step)
-            log(f"resuming {run.path} from step {state.step} ({len(state.pending)} generated batches pending)")
-            if cfg.lr_schedule != "constant":
-                log(f"lr_schedule {cfg.lr_schedule}: the lr decays to {cfg.lr_min_ratio} x lr at step {cfg.steps}; "
-                    f"step {state.step + 1} is at {policy.lr_at(state.step + 1):.3g} x lr")
-        else:
-            run.write_json("config.json", _resolved_settings(cfg, problems, task))
-            with open(run.file("prompt_example.txt"), "w") as f:
-                f.write(task.train_texts[0])
+        start, problems, policy, task, state = _set_up(cfg, ranks, run, resume, log)
         with run, progress_bar(progress, cfg.steps, state.step) as bar, \
                 start_engine(cfg, model_dir=policy.engine_model(start or problems.model_dir, problems.model_dir),
                              max_len=task.max_len, run_dir=run.path, adapter=policy.adapter,
@@ -119,68 +105,114 @@ def _train(cfg: TrainConfig, ranks: TrainerRanks, resume: bool, log: Callable[[s
                 if problems.eval else None,
                 eval_every=cfg.eval_every, concurrent_sync=engine.concurrent_sync,
                 exact_staleness=cfg.exact_staleness)
-            clock = Clock(elapsed=state.elapsed)
+            loop = _Loop(cfg, run, policy, ranks, task, producer, engine, state, problems.model_dir,
+                         saved=state.step if start else None, interrupt=interrupt, bar=bar, log=log)
             interrupt.during_steps = True  # a first signal now lets the step finish, then checkpoints
-
-            saved = [state.step if start else None]  # the step of the newest checkpoint
-
-            def checkpoint(again: bool = True) -> None:
-                """`again` False: not when the newest checkpoint is of this step already (a stop right after a
-                periodic checkpoint; its batches generated since are generated again after a resume)."""
-                if not again and saved[0] == state.step:
-                    return
-                state.next_batch, state.pending = producer.snapshot()
-                state.elapsed = clock.elapsed()
-                with run.checkpoint(state.step, cfg.keep_checkpoints) as folder:
-                    policy.save(folder, problems.model_dir)
-                    state.save(folder)
-                saved[0] = state.step
-
-            skipped = []  # the steps skipped in a row, up to the last one
             try:
                 producer.start()
-                while state.step < cfg.steps and not interrupt.requested:
-                    waited = time.perf_counter()
-                    batch = _take(producer, state.step, interrupt, checkpoint, run.path)
-                    if batch is None:
-                        break
-                    waited = time.perf_counter() - waited
-                    row = _train_step(policy, ranks, task.pad_id, producer, engine, batch, state, clock, waited,
-                                      interrupt)
-                    run.log_step(row, batch.rollouts)
-                    skipped = skipped + [row] if row["skipped"] else []
-                    if skipped:
-                        _skipped_step(skipped, cfg.max_skipped_steps, checkpoint, run.path, bar.write if bar else log)
-                    if bar is not None:
-                        bar.update(1)
-                        bar.set_postfix(reward=f"{row['reward']:.3f}", ess=f"{row['ess_ratio']:.2f}",
-                                        lag=row["lag"], refresh=False,
-                                        heldout_acc="-" if state.last_eval is None else f"{state.last_eval:.2f}")
-                    if state.step % cfg.checkpoint_every == 0 and state.step < cfg.steps:
-                        checkpoint()
-                interrupted = interrupt.requested and state.step < cfg.steps
-                wall = clock.elapsed()
-                final_eval = None
-                if interrupted:  # the checkpoint first: a scheduler's SIGKILL follows its SIGTERM within seconds
-                    checkpoint(again=False)
-                    task.rewards.close()  # a batch in flight is not kept: its reward calls are killed, not awaited
-                    _stop_producer(producer, engine, log)
-                else:
-                    producer.stop()
-                    final_eval = producer.sync_and_evaluate() if problems.eval else None
-                    if final_eval is not None:
-                        run.report(dict(zip(("eval_version", "eval_accuracy", "eval_reward"), final_eval)),
-                                   state.step)
-                    checkpoint()
+                loop.steady_state()
+                final_eval = loop.end()
             finally:
                 ranks.stop()
-                task.rewards.close()  # before the producer: a reward call in flight is killed, not waited for
+                task.rewards.close()  # before the producer: a reward call in flight is killed, not awaited
                 _stop_producer(producer, engine, log)
-    summary = _summary(run.path, state, interrupted, wall, engine_seconds, producer, engine, final_eval)
+    summary = _summary(run.path, state, loop.interrupted, loop.wall, engine_seconds, producer, engine, final_eval)
     run.write_json("summary.json", summary)
-    if interrupted:
+    if loop.interrupted:
         log(f"interrupted at step {state.step}: checkpoint written; continue with `vcpo train --resume {run.path}`")
     return summary
+
+
+def _set_up(cfg: TrainConfig, ranks: TrainerRanks, run: RunFolder, resume: bool,
+            log: Callable[[str], None]) -> tuple[Optional[str], Problems, Policy, Task, LoopState]:
+    """(the checkpoint resumed from or None, the problems, the policy, the task, the loop's state); a new run's
+    config.json and prompt example written, a resumed run's logs rewound to its checkpoint."""
+    start = run.resume_checkpoint() if resume else None  # before the barrier: the other ranks take the same
+    problems = run_problems(cfg, log)
+    ranks.barrier()
+    policy = Policy(start or problems.model_dir, cfg, ranks, resume=resume)
+    task = Task(cfg, problems, policy.tokenizer, start or problems.model_dir, policy.model.config)
+    state = LoopState.load(start) if start else LoopState.fresh(cfg.seed)
+    if start:
+        run.rewind(state.step)
+        log(f"resuming {run.path} from step {state.step} ({len(state.pending)} generated batches pending)")
+        if cfg.lr_schedule != "constant":
+            log(f"lr_schedule {cfg.lr_schedule}: the lr decays to {cfg.lr_min_ratio} x lr at step {cfg.steps}; "
+                f"step {state.step + 1} is at {policy.lr_at(state.step + 1):.3g} x lr")
+    else:
+        run.write_json("config.json", _resolved_settings(cfg, problems, task))
+        with open(run.file("prompt_example.txt"), "w") as f:
+            f.write(task.train_texts[0])
+    return start, problems, policy, task, state
+
+
+class _Loop:
+    """The steps of a started run (steady_state), then its end (end): the parts both need, and its checkpoints."""
+
+    def __init__(self, cfg: TrainConfig, run: RunFolder, policy: Policy, ranks: TrainerRanks, task: Task,
+                 producer: RolloutProducer, engine: Engine, state: LoopState, model_dir: str, *,
+                 saved: Optional[int], interrupt: Interrupt, bar, log: Callable[[str], None]) -> None:
+        self.cfg, self.run, self.policy, self.ranks, self.task = cfg, run, policy, ranks, task
+        self.producer, self.engine, self.state, self.model_dir = producer, engine, state, model_dir
+        self.saved = saved  # the step of the newest checkpoint
+        self.interrupt, self.bar, self.log = interrupt, bar, log
+        self.say = bar.write if bar else log  # a line that does not break the progress bar
+        self.clock = Clock(elapsed=state.elapsed)
+        self.interrupted, self.wall = False, 0.0
+
+    def checkpoint(self, again: bool = True) -> None:
+        """`again` False: not when the newest checkpoint is of this step already (a stop right after a periodic
+        checkpoint; its batches generated since are generated again after a resume)."""
+        state = self.state
+        if not again and self.saved == state.step:
+            return
+        state.next_batch, state.pending = self.producer.snapshot()
+        state.elapsed = self.clock.elapsed()
+        with self.run.checkpoint(state.step, self.cfg.keep_checkpoints) as folder:
+            self.policy.save(folder, self.model_dir)
+            state.save(folder)
+        self.saved = state.step
+
+    def steady_state(self) -> None:
+        """One step per generated batch until the last step or a stop: log it, stop after too many skipped in a
+        row, checkpoint every checkpoint_every steps."""
+        cfg, state, skipped = self.cfg, self.state, []  # skipped: the steps skipped in a row, up to the last one
+        while state.step < cfg.steps and not self.interrupt.requested:
+            waited = time.perf_counter()
+            batch = _take(self.producer, state.step, self.interrupt, self.checkpoint, self.run.path)
+            if batch is None:
+                break
+            waited = time.perf_counter() - waited
+            row = _train_step(self.policy, self.ranks, self.task.pad_id, self.producer, self.engine, batch, state,
+                              self.clock, waited, self.interrupt)
+            self.run.log_step(row, batch.rollouts)
+            skipped = skipped + [row] if row["skipped"] else []
+            if skipped:
+                _skipped_step(skipped, cfg.max_skipped_steps, self.checkpoint, self.run.path, self.say)
+            if self.bar is not None:
+                self.bar.update(1)
+                self.bar.set_postfix(reward=f"{row['reward']:.3f}", ess=f"{row['ess_ratio']:.2f}", lag=row["lag"],
+                                     refresh=False,
+                                     heldout_acc="-" if state.last_eval is None else f"{state.last_eval:.2f}")
+            if state.step % cfg.checkpoint_every == 0 and state.step < cfg.steps:
+                self.checkpoint()
+
+    def end(self) -> Optional[tuple]:
+        """The last checkpoint. Interrupted: at once (a scheduler's SIGKILL follows its SIGTERM within seconds), then
+        the rollouts stopped; finished: the final evaluation first. Returns that evaluation (None if none)."""
+        self.interrupted = self.interrupt.requested and self.state.step < self.cfg.steps
+        self.wall = self.clock.elapsed()
+        if self.interrupted:
+            self.checkpoint(again=False)
+            self.task.rewards.close()  # a batch in flight is not kept: its reward calls are killed, not awaited
+            _stop_producer(self.producer, self.engine, self.log)
+            return None
+        self.producer.stop()
+        final_eval = self.producer.sync_and_evaluate() if self.task.problems.eval else None
+        if final_eval is not None:
+            self.run.report(dict(zip(("eval_version", "eval_accuracy", "eval_reward"), final_eval)), self.state.step)
+        self.checkpoint()
+        return final_eval
 
 
 # -- one step -----------------------------------------------------------------------------------------------------
