@@ -82,7 +82,6 @@ def _train(args: argparse.Namespace, argv: list) -> int:
     from .process_guard import guard
     from .ray_launch import train_on_ray
 
-    cfg.validate()
     guard()  # whatever this process starts ends with it, however it ends (docs/trainer.md, "Resume")
     if cfg.ray is None and cfg.trainer_ranks > 1 and launched_ranks() == 1:
         launch_ranks(cfg.trainer_ranks, argv)  # does not return: this process becomes torchrun
@@ -173,7 +172,9 @@ def main(argv=None) -> int:
     _train_parser(sub)
     _eval_parser(sub)
     sub.add_parser("serve", help="a vLLM server for `vcpo train --engine server`: the arguments of `vllm serve`; "
-                                 "with VLLM_API_KEY set, every route needs that key", add_help=False)
+                                 "with VLLM_API_KEY set, every route needs that key; without it, refused unless "
+                                 "on --host 127.0.0.1 (::1, localhost), on --uds, or with --insecure-no-key",
+                   add_help=False)
     export = sub.add_parser("export", help="a checkpoint as a Hugging Face model folder (a LoRA adapter merged into "
                                            "its base model)")
     export.add_argument("model", metavar="RUN_OR_CHECKPOINT", help="a run folder (its latest checkpoint) or a "
