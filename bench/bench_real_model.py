@@ -8,7 +8,11 @@ of 4. Each round of each case runs in its own process (a warm-up step, then one 
 its peak resident memory above what the process held before the first step is the step's.
 
     python bench/bench_real_model.py                 # every case, 3 rounds, one table
-    python bench/bench_real_model.py --rounds 1 --cases grpo,vcpo
+    python bench/bench_real_model.py --rounds 5 --cases grpo,vcpo,grpo\ m=4,vcpo\ m=4   # paired ratios
+
+Cases run interleaved, one round of every case after another, so a slow spell of a shared machine hits all of them;
+each VCPO case's ratio to its GRPO twin is taken within each round and reported as the median over rounds with its
+range.
 """
 
 from __future__ import annotations
@@ -123,11 +127,22 @@ def main() -> None:
           "process before the first step")
     print(f"  other processes used {foreign:.0f} CPU-s during the {wall:.0f} s run "
           f"({foreign / (wall * os.cpu_count()):.0%} of the machine): times are only as good as that")
-    print(f"  {'case':<15} {'step s':>7} {'peak MiB':>9} {'VCPO/GRPO time':>15} {'VCPO/GRPO memory':>17}")
+    print("  VCPO/GRPO: the median over rounds of each round's ratio (the two cases ran one after the other), "
+          "[lowest, highest]")
+    print(f"  {'case':<15} {'step s':>7} {'peak MiB':>9} {'VCPO/GRPO time':>22} {'VCPO/GRPO memory':>22}")
     for case, r in table.items():
-        twin = table.get(case.replace("vcpo", "grpo")) if case.startswith("vcpo") else None
-        ratios = (f"{r['s'] / twin['s']:15.2f} {r['peak'] / twin['peak']:17.2f}" if twin else "")
+        twin = case.replace("vcpo", "grpo") if case.startswith("vcpo") else None
+        ratios = ""
+        if twin in samples:
+            ratios = " ".join(_paired(samples[case], samples[twin], key) for key in ("seconds", "peak_mib"))
         print(f"  {case:<15} {r['s']:7.2f} {r['peak']:9.0f} {ratios}")
+
+
+def _paired(runs: list[dict], twins: list[dict], key: str) -> str:
+    """The median of the per-round ratios runs[r][key] / twins[r][key], with their range: a ratio of two cases run
+    back to back in one round is steadier than a ratio of medians when the machine's load moves between rounds."""
+    ratios = sorted(a[key] / b[key] for a, b in zip(runs, twins))
+    return f"{statistics.median(ratios):6.2f} [{ratios[0]:.2f}, {ratios[-1]:.2f}]".rjust(22)
 
 
 if __name__ == "__main__":
