@@ -163,7 +163,7 @@ def _plot(args: argparse.Namespace) -> int:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["serve"]:  # every argument is vLLM's: `vcpo serve MODEL --port 8000 ...`
+    if argv[:1] == ["serve"]:  # vLLM's arguments, and serve's own --insecure-no-key: `vcpo serve MODEL --port 8000`
         from .engines.servers import serve
 
         return serve(argv[1:])
