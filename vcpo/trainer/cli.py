@@ -1,5 +1,5 @@
-"""The `vcpo` command: `vcpo train`, `vcpo eval` and `vcpo export` (docs/trainer.md), `vcpo serve` (a vLLM server, docs/scale.md)
-and `vcpo plot`."""
+"""The `vcpo` command: `vcpo train`, `vcpo eval` and `vcpo export` (docs/trainer.md), `vcpo serve` (a vLLM server,
+docs/scale.md) and `vcpo plot`."""
 
 from __future__ import annotations
 
