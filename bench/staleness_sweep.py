@@ -54,6 +54,7 @@ RULES = {
 OPOB_VARIANTS = {
     "vcpo-opob-truncated": ["--loss", "vcpo", "--opob-truncated-weights", "true"],
     "vcpo-opob-median": ["--loss", "vcpo", "--opob-aggregation", "median"],
+    "vcpo-loo": ["--loss", "vcpo", "--opob-leave-one-out", "true"],  # each sequence's baseline without itself
 }
 # VCPO with one part of its lr rule or its truncation changed (the k = 16 ablation in bench/RESULTS.md): on request
 ABLATIONS = {

@@ -26,6 +26,7 @@ struct LossOptions {
   OpobWeight opob_weight;
   LossAgg loss_agg;
   OpobAggregation opob_aggregation;  // the CUDA kernels have the mean only (refused in Python otherwise)
+  bool opob_leave_one_out;           // A_i against b_-i, the weighted mean of the other members
   double log_threshold, log_threshold_low;  // log C, log C_low
   double ess_base_ratio;
   std::optional<double> clip_low, clip_high, clip_c;  // PPO clipping and its dual clip, when on
@@ -57,6 +58,7 @@ inline LossOptions unpack_loss_options(c10::ArrayRef<int64_t> codes, c10::ArrayR
   o.opob_weight = static_cast<OpobWeight>(codes[kOpobWeight]);
   o.loss_agg = static_cast<LossAgg>(codes[kLossAgg]);
   o.opob_aggregation = static_cast<OpobAggregation>(codes[kOpobAggregation]);
+  o.opob_leave_one_out = codes[kOpobLeaveOneOut] != 0;
   o.log_threshold = values[kLogThreshold];
   o.log_threshold_low = values[kLogThresholdLow];
   o.ess_base_ratio = values[kEssBaseRatio];

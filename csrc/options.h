@@ -29,7 +29,8 @@ enum Scalar : int64_t {
   kNumNonfinite = 8,
   kPpoClipFraction = 9,
   kRejectedFraction = 10,
-  kNumScalars = 11,
+  kOpobMaxShare = 11,
+  kNumScalars = 12,
 };
 enum LossCode : int64_t {
   kIsLevel = 0,
@@ -43,7 +44,8 @@ enum LossCode : int64_t {
   kLossAgg = 8,
   kOpobAggregation = 9,
   kRejection = 10,
-  kNumLossCodes = 11,
+  kOpobLeaveOneOut = 11,
+  kNumLossCodes = 12,
 };
 enum LossValue : int64_t {
   kLogThreshold = 0,

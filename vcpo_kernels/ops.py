@@ -69,6 +69,7 @@ class PolicyLossResult:
     num_nonfinite: Tensor
     ppo_clip_fraction: Tensor
     rejected_fraction: Tensor
+    opob_max_share: Tensor
 
     def metrics(self, **extra: Tensor) -> dict[str, float]:
         """The loss, the scalar statistics and any `extra` scalar tensors as Python floats: one host sync for

@@ -46,11 +46,12 @@ SCALAR_FIELDS = (
     "num_nonfinite",
     "ppo_clip_fraction",
     "rejected_fraction",
+    "opob_max_share",
 )
 # The fused op's scalar options, packed by position into `int[] codes` and `float[] values` (an absent clip
 # bound is NaN); PolicyLossOptions.packed() fills them, csrc/loss_options.h unpacks them.
 LOSS_CODES = ("is_level", "is_correction", "ess_on_corrected", "lr_rule", "advantage", "norm_by_std",
-              "opob_length_norm", "opob_weight", "loss_agg", "opob_aggregation", "rejection")
+              "opob_length_norm", "opob_weight", "loss_agg", "opob_aggregation", "rejection", "opob_leave_one_out")
 # The rejection criteria in use are the bits of code "rejection" (bit j: REJECTION_CRITERIA[j]); each has a low and
 # a high bound value, in that order and criterion order: log r bounds for k1 (the entries' intersection), the
 # least upper bound for k2 and k3 (low unused).
@@ -108,6 +109,8 @@ class PolicyLossOptions:
     # sequence's or the geometric-mean ratio), the others keep statistic <= high (low None).
     rejection: Tuple[Tuple[str, Optional[float], Optional[float]], ...] = ()
     is_batch_normalize: bool = False
+    # OPOB's baseline of sequence i over the other members of its group (or batch) only: b_-i.
+    opob_leave_one_out: bool = False
 
     def __post_init__(self) -> None:
         _choice("is_level", self.is_level, IS_LEVELS)
@@ -125,7 +128,7 @@ class PolicyLossOptions:
         _choice("opob_scope", self.opob_scope, OPOB_SCOPES)
         _choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         for name in ("ess_on_corrected", "norm_by_std", "opob_length_norm", "opob_truncated_weights",
-                     "reference_compat"):
+                     "reference_compat", "opob_leave_one_out"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.opob_truncated_weights and self.reference_compat:
@@ -154,6 +157,10 @@ class PolicyLossOptions:
             raise ValueError(f"opob_winsorize_quantiles must be a pair (low, high), 0 <= low <= high <= 1, got "
                              f"{q!r}")
         object.__setattr__(self, "opob_winsorize_quantiles", (float(q[0]), float(q[1])))
+        if self.opob_leave_one_out and self.opob_aggregation != "mean":
+            raise ValueError(f"opob_leave_one_out=True is not available with opob_aggregation="
+                             f"{self.opob_aggregation!r}: the leave-one-out baseline is the weighted mean only "
+                             f"(opob_aggregation='mean')")
         object.__setattr__(self, "rejection", _rejection(self.rejection))
         if not isinstance(self.is_batch_normalize, bool):
             raise ValueError(f"is_batch_normalize must be a bool, got {self.is_batch_normalize!r}")
@@ -176,7 +183,7 @@ class PolicyLossOptions:
                      opob_length_norm=int(self.opob_length_norm), opob_weight=self.opob_weight_code,
                      loss_agg=LOSS_AGG_MODES[self.loss_agg_mode],
                      opob_aggregation=OPOB_AGGREGATIONS[self.opob_aggregation],
-                     rejection=0)
+                     rejection=0, opob_leave_one_out=int(self.opob_leave_one_out))
         for name, _, _ in self.rejection:
             codes["rejection"] |= 1 << REJECTION_CRITERIA.index(name)
         values = dict(log_threshold=math.log(self.is_threshold), log_threshold_low=math.log(self.threshold_low),

@@ -74,12 +74,58 @@ inline double robust_baseline(const std::vector<double>& r, const std::vector<do
   return lo + sum / total;
 }
 
+// The leave-one-out deviations R_i - b_-i, b_-i = mean + sum_{j != i} W_j (R_j - mean) / sum_{j != i} W_j over i's
+// group (w_j = W_j / max W, sum_w and sum_wd their group sums). The sums over the others are shifted by their own
+// maximum: for i not its group's first argmax, the group's sums minus i's term (w_i <= 1, and the argmax's 1
+// stays: no cancellation); for the argmax, sums over the others shifted by the second largest W, formed without
+// subtracting. No other member, or every other W_j = 0: the unweighted mean of the others (the RLOO deviation,
+// 0 for one member); a NaN or +inf W_j in the group: NaN.
+template <typename acc_t>
+std::vector<double> leave_one_out_deviations(const GroupInputs<acc_t>& in, const GroupMoments<acc_t>& mom,
+                                             const std::vector<double>& log_w, const std::vector<double>& shift,
+                                             const std::vector<double>& sum_w, const std::vector<double>& sum_wd) {
+  std::vector<int64_t> first(in.num_groups, -1);
+  for (int64_t i = 0; i < in.num_seqs; ++i) {
+    const int64_t g = in.group_of(i);
+    if (in.valid(i) && first[g] < 0 && log_w[i] == shift[g]) first[g] = i;
+  }
+  std::vector<double> shift2(in.num_groups, -kInf<double>), sum_w2(in.num_groups, 0.0), sum_wd2(in.num_groups, 0.0);
+  for (int64_t i = 0; i < in.num_seqs; ++i) {
+    const int64_t g = in.group_of(i);
+    if (in.valid(i) && i != first[g]) shift2[g] = max_keep_nan(shift2[g], log_w[i]);
+  }
+  for (int64_t i = 0; i < in.num_seqs; ++i) {
+    const int64_t g = in.group_of(i);
+    if (!in.valid(i) || i == first[g]) continue;
+    const double w = std::exp(log_w[i] - (std::isfinite(shift2[g]) ? shift2[g] : 0.0));
+    sum_w2[g] += w;
+    sum_wd2[g] += w * (in.rewards[i] - mom.mean[g]);
+  }
+  std::vector<double> dev(in.num_seqs, 0.0);
+  for (int64_t i = 0; i < in.num_seqs; ++i) {
+    if (!in.valid(i)) continue;
+    const int64_t g = in.group_of(i);
+    const double d = in.rewards[i] - mom.mean[g], n = mom.count[g];
+    const bool is_first = i == first[g];
+    const double w = std::exp(log_w[i] - (std::isfinite(shift[g]) ? shift[g] : 0.0));
+    const double den = is_first ? sum_w2[g] : sum_w[g] - w;
+    const double num = is_first ? sum_wd2[g] : sum_wd[g] - w * d;
+    const bool none = (is_first ? shift2[g] : shift[g]) == -kInf<double>;
+    const bool bad = std::isnan(shift[g]) || shift[g] == kInf<double>;
+    dev[i] = bad ? std::numeric_limits<double>::quiet_NaN() : none ? (n > 1 ? d * n / (n - 1) : 0.0) : d - num / den;
+  }
+  return dev;
+}
+
 // b_g = sum W R / sum W (or the weighted median or winsorized mean) with log W_j = 2 lw_j + log G_j
-// (- 2 log L_j), max-shifted per group.
+// (- 2 log L_j), max-shifted per group; with leave_one_out, A_i against b_-i (leave_one_out_deviations).
+// max_share (when given): the largest W_j / sum W of a group (1 / n_g where every W is 0, NaN for a NaN or
+// +inf W), over the groups with members (0 if none).
 template <typename acc_t>
 void opob_baseline(const GroupInputs<acc_t>& in, const acc_t* log_weight, const acc_t* grad_sq_norm,
                    bool length_norm, bool norm_by_std, acc_t* baseline, acc_t* advantages,
-                   OpobAggregation aggregation = OpobAggregation::Mean, double q_lo = 0, double q_hi = 1) {
+                   OpobAggregation aggregation = OpobAggregation::Mean, double q_lo = 0, double q_hi = 1,
+                   bool leave_one_out = false, double* max_share = nullptr) {
   const GroupMoments<acc_t> mom(in);
   std::vector<double> log_w(in.num_seqs, -kInf<double>);
   std::vector<double> shift(in.num_groups, -kInf<double>);
@@ -120,6 +166,18 @@ void opob_baseline(const GroupInputs<acc_t>& in, const acc_t* log_weight, const 
                                  : robust_baseline(r[g], w[g], aggregation, q_lo, q_hi);
     }
   }
+  if (max_share) {
+    double top = 0;
+    for (int64_t g = 0; g < in.num_groups; ++g) {
+      if (mom.count[g] == 0) continue;
+      const bool bad = std::isnan(shift[g]) || shift[g] == kInf<double>;
+      top = max_keep_nan(top, bad ? std::numeric_limits<double>::quiet_NaN()
+                              : shift[g] == -kInf<double> ? 1.0 / mom.count[g] : 1.0 / sum_w[g]);
+    }
+    *max_share = top;
+  }
+  const std::vector<double> loo =
+      leave_one_out ? leave_one_out_deviations(in, mom, log_w, shift, sum_w, sum_wd) : std::vector<double>();
   for (int64_t i = 0; i < in.num_seqs; ++i) {
     if (!in.valid(i)) {
       advantages[i] = 0;
@@ -127,7 +185,7 @@ void opob_baseline(const GroupInputs<acc_t>& in, const acc_t* log_weight, const 
     }
     const int64_t g = in.group_of(i);
     const double sigma = std::sqrt(mom.var[g]);
-    double a = static_cast<double>(in.rewards[i]) - baseline[g];
+    double a = leave_one_out ? loo[i] : static_cast<double>(in.rewards[i]) - baseline[g];
     if (norm_by_std && sigma > 1e-8) a /= sigma;
     advantages[i] = a;
   }

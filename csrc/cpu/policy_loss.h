@@ -81,6 +81,7 @@ struct LossTotals {
   double num_tokens = 0, num_seqs = 0, kl_sum = 0, nonfinite = 0;  // over sequences with counted tokens
   double is_changed = 0, is_coef = 0;  // over the units the IS correction acts on: sequences, or tokens
   double loss = 0, ppo_clipped = 0, rejected = 0;
+  double opob_max_share = 0;  // over the groups: the largest W_j / sum W of OPOB's weights
 };
 
 template <typename acc_t>
@@ -152,7 +153,8 @@ void sequence_weights(const acc_t* s, const acc_t* length, const char* rejected,
 // Baselines and advantages: given, OPOB (over the log weights the options pick) or a classic estimator.
 template <typename acc_t>
 void sequence_advantages(const SequenceInputs& seq, const acc_t* s, const acc_t* s_trunc, const acc_t* length,
-                         int64_t B, const LossOptions& o, const ForwardOutputs<acc_t>& out) {
+                         int64_t B, const LossOptions& o, const ForwardOutputs<acc_t>& out, double& max_share) {
+  max_share = 0;  // no OPOB weights
   if (o.advantage == Advantage::Given) {
     const acc_t* given = static_cast<const acc_t*>(seq.advantages);
     for (int64_t g = 0; g < seq.num_groups; ++g) out.baseline[g] = 0;
@@ -171,7 +173,8 @@ void sequence_advantages(const SequenceInputs& seq, const acc_t* s, const acc_t*
                                                              : s[i] + s_trunc[i];
   }
   opob_baseline(groups, log_weight.data(), static_cast<const acc_t*>(seq.grad_sq_norm), o.opob_length_norm,
-                o.norm_by_std, out.baseline, out.advantages, o.opob_aggregation, o.winsorize_low, o.winsorize_high);
+                o.norm_by_std, out.baseline, out.advantages, o.opob_aggregation, o.winsorize_low, o.winsorize_high,
+                o.opob_leave_one_out, &max_share);
 }
 
 // The loss and the token-level statistics from a pass over the tokens.
@@ -220,6 +223,7 @@ void write_results(const LossTotals& tot, const EssResult& ess, bool token_level
   sc[kNumNonfinite] = tot.nonfinite;
   sc[kPpoClipFraction] = tot.num_tokens > 0 ? tot.ppo_clipped / tot.num_tokens : 0.0;
   sc[kRejectedFraction] = tot.num_tokens > 0 ? tot.rejected / tot.num_tokens : 0.0;
+  sc[kOpobMaxShare] = tot.opob_max_share;
 }
 
 // The phases in the order of the CUDA op (ops.cu, policy_loss.cuh): sequence sums, batch step (counts, ESS,
@@ -241,7 +245,7 @@ void policy_loss_forward(const TokenView& v, const SequenceInputs& seq, const Lo
   const std::vector<char> rejected = rejected_sequences<lp_t, ref_t, acc_t>(v, length.data(), o, grain);
   sequence_weights(s, length.data(), rejected.data(), B, p, o, tot, out.grad_scale);
 
-  sequence_advantages(seq, s, s_trunc.data(), length.data(), B, o, out);
+  sequence_advantages(seq, s, s_trunc.data(), length.data(), B, o, out, tot.opob_max_share);
   if (needs_token_pass(v, p)) {
     token_terms<lp_t, ref_t, acc_t>(v, length.data(), rejected.data(), p, grain, out, tot);
   } else {

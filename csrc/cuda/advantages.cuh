@@ -21,7 +21,14 @@ struct Groups {
   // Group grp's members are order[start[grp]:start[grp + 1]] (from members_by_group; nullptr: one group).
   const int64_t* order;
   const int64_t* start;
+  bool leave_one_out;  // OPOB's A_i against b_-i, the weighted mean of the other members
 };
+
+// Rows of the per-group stats: count, mean, population variance, baseline, the largest OPOB weight share; with
+// leave_one_out, the sums over the members shifted by their max (shift, sum_w, sum_wd) and over the members but
+// the first argmax shifted by theirs (first, shift2, sum_w2, sum_wd2).
+enum StatRow : int64_t { kCount, kMean, kVar, kBaseline, kShare, kShift, kSumW, kSumWd, kFirst, kShift2, kSumW2,
+                         kSumWd2, kStatRows };
 
 // Sequences sorted by group, stably (members keep their order), and where each group's run starts: each
 // group's block then reads its own members only, O(B) in all instead of O(groups x B). A device sort and
@@ -48,8 +55,27 @@ __device__ __forceinline__ double opob_log_w(const Groups& g, int64_t i) {
   return lw;
 }
 
-// stats[:, g] = (count, mean, population variance, baseline) of group g's valid members: one block per group,
-// reading its members only.
+// (sum W, sum W (R - mean)) over group [begin, end)'s members but sequence `skip`, W = exp(log W - shift) (shift 0
+// where it is not finite: NaN/+inf propagate); every thread gets them.
+template <typename acc_t>
+__device__ void shifted_sums(const Groups& g, int64_t begin, int64_t end, double mean, double shift, int64_t skip,
+                             double& sum_w, double& sum_wd) {
+  const acc_t* r = static_cast<const acc_t*>(g.rewards);
+  const double safe = finite(shift) ? shift : 0.0;
+  sum_w = 0;
+  sum_wd = 0;
+  for (int64_t k = begin + threadIdx.x; k < end; k += blockDim.x) {
+    const int64_t i = g.order ? g.order[k] : k;
+    if (!valid<acc_t>(g, i) || i == skip) continue;
+    const double w = exp(opob_log_w<acc_t>(g, i) - safe);
+    sum_w += w;
+    sum_wd += w * (r[i] - mean);
+  }
+  sum_w = block_reduce(sum_w);
+  sum_wd = block_reduce(sum_wd);
+}
+
+// stats[:, g] (the rows of StatRow) of group g's valid members: one block per group, reading its members only.
 template <typename acc_t>
 __global__ void group_stats_kernel(Groups g, double* stats) {
   const int64_t grp = blockIdx.x;
@@ -77,29 +103,68 @@ __global__ void group_stats_kernel(Groups g, double* stats) {
     }
   }
   sq = block_reduce(sq);
-  double baseline = mean;
+  double baseline = mean, share = 0;
+  const int64_t G = g.num_groups;
   if (g.log_weight) {
     shift = block_reduce<double, true>(shift);
-    const double safe = finite(shift) ? shift : 0.0;  // NaN/+inf propagate
-    double sum_w = 0, sum_wd = 0;
-    for (int64_t k = begin + threadIdx.x; k < end; k += blockDim.x) {
-      const int64_t i = g.order ? g.order[k] : k;
-      if (!valid<acc_t>(g, i)) continue;
-      const double w = exp(opob_log_w<acc_t>(g, i) - safe);
-      sum_w += w;
-      sum_wd += w * (r[i] - mean);
-    }
-    sum_w = block_reduce(sum_w);
-    sum_wd = block_reduce(sum_wd);
+    double sum_w, sum_wd;
+    shifted_sums<acc_t>(g, begin, end, mean, shift, -1, sum_w, sum_wd);
     // b = mean + sum W (R - mean) / sum W: exact for one member or equal rewards; every W = 0: the mean
     baseline = shift == -kInf ? mean : mean + sum_wd / sum_w;
+    // max W / sum W = 1 / sum exp(log W - max); every W = 0: 1 / n_g; a NaN or +inf W: NaN; no member: 0
+    share = count == 0 ? 0.0 : (shift != shift || shift == kInf) ? NAN : shift == -kInf ? 1.0 / count : 1.0 / sum_w;
+    if (g.leave_one_out) {
+      double neg_first = -kInf;  // minus the group's first argmax (members keep their order in the run)
+      for (int64_t k = begin + threadIdx.x; k < end; k += blockDim.x) {
+        const int64_t i = g.order ? g.order[k] : k;
+        if (valid<acc_t>(g, i) && opob_log_w<acc_t>(g, i) == shift) neg_first = fmax(neg_first, -double(i));
+      }
+      neg_first = block_reduce<double, true>(neg_first);
+      const int64_t first = neg_first == -kInf ? -1 : static_cast<int64_t>(-neg_first);
+      double shift2 = -kInf;
+      for (int64_t k = begin + threadIdx.x; k < end; k += blockDim.x) {
+        const int64_t i = g.order ? g.order[k] : k;
+        if (!valid<acc_t>(g, i) || i == first) continue;
+        const double lw = opob_log_w<acc_t>(g, i);
+        shift2 = (lw > shift2 || lw != lw) ? lw : shift2;
+      }
+      shift2 = block_reduce<double, true>(shift2);
+      double sum_w2, sum_wd2;
+      shifted_sums<acc_t>(g, begin, end, mean, shift2, first, sum_w2, sum_wd2);
+      if (threadIdx.x == 0) {
+        stats[kShift * G + grp] = shift;
+        stats[kSumW * G + grp] = sum_w;
+        stats[kSumWd * G + grp] = sum_wd;
+        stats[kFirst * G + grp] = static_cast<double>(first);
+        stats[kShift2 * G + grp] = shift2;
+        stats[kSumW2 * G + grp] = sum_w2;
+        stats[kSumWd2 * G + grp] = sum_wd2;
+      }
+    }
   }
   if (threadIdx.x == 0) {
-    stats[grp] = count;
-    stats[g.num_groups + grp] = mean;
-    stats[2 * g.num_groups + grp] = count > 0 ? sq / count : 0.0;
-    stats[3 * g.num_groups + grp] = baseline;
+    stats[kCount * G + grp] = count;
+    stats[kMean * G + grp] = mean;
+    stats[kVar * G + grp] = count > 0 ? sq / count : 0.0;
+    stats[kBaseline * G + grp] = baseline;
+    stats[kShare * G + grp] = share;
   }
+}
+
+// R_i - b_-i (docs/contract.md): for i not its group's first argmax, the group's sums minus i's term (w_i <= 1
+// while the argmax's 1 stays: no cancellation); for the argmax, the sums over the others shifted by their own max.
+// No other member, or every other W = 0: the RLOO deviation (0 for one member); a NaN or +inf W: NaN.
+template <typename acc_t>
+__device__ double leave_one_out_deviation(const Groups& g, const double* stats, int64_t grp, int64_t i, double r) {
+  const int64_t G = g.num_groups;
+  const double n = stats[kCount * G + grp], d = r - stats[kMean * G + grp], shift = stats[kShift * G + grp];
+  if (shift != shift || shift == kInf) return NAN;
+  const bool is_first = static_cast<double>(i) == stats[kFirst * G + grp];
+  if ((is_first ? stats[kShift2 * G + grp] : shift) == -kInf) return n > 1 ? d * n / (n - 1) : 0.0;
+  const double w = exp(opob_log_w<acc_t>(g, i) - shift);
+  const double den = is_first ? stats[kSumW2 * G + grp] : stats[kSumW * G + grp] - w;
+  const double num = is_first ? stats[kSumWd2 * G + grp] : stats[kSumWd * G + grp] - w * d;
+  return d - num / den;
 }
 
 template <typename acc_t>
@@ -112,11 +177,12 @@ __global__ void advantages_kernel(Groups g, const double* stats, Advantage kind,
   }
   int64_t grp = g.group ? g.group[i] : 0;
   grp = grp >= 0 && grp < g.num_groups ? grp : 0;  // an unvalidated bad index must not read out of bounds
-  const double n = stats[grp], mean = stats[g.num_groups + grp], var = stats[2 * g.num_groups + grp];
-  const double b = stats[3 * g.num_groups + grp], r = static_cast<const acc_t*>(g.rewards)[i];
+  const int64_t G = g.num_groups;
+  const double n = stats[kCount * G + grp], mean = stats[kMean * G + grp], var = stats[kVar * G + grp];
+  const double b = stats[kBaseline * G + grp], r = static_cast<const acc_t*>(g.rewards)[i];
   double a = r;
   if (kind == Advantage::Opob) {
-    a = r - b;
+    a = g.leave_one_out ? leave_one_out_deviation<acc_t>(g, stats, grp, i, r) : r - b;
     const double sigma = sqrt(var);
     if (norm_by_std && sigma > 1e-8) a /= sigma;
   } else if (kind == Advantage::Grpo) {
@@ -130,10 +196,11 @@ __global__ void advantages_kernel(Groups g, const double* stats, Advantage kind,
   adv[i] = static_cast<acc_t>(a);
 }
 
-// (baseline [num_groups], advantages [B]) in acc_t of the given estimator.
+// (baseline [num_groups], advantages [B]) in acc_t of the given estimator, and the largest OPOB weight share of a
+// group (0-d, double; 0 for another estimator).
 template <typename acc_t>
-std::pair<Tensor, Tensor> advantages(Groups g, const OptTensor& group_index, Advantage kind, bool norm_by_std,
-                                     const at::TensorOptions& opts) {
+std::tuple<Tensor, Tensor, Tensor> advantages(Groups g, const OptTensor& group_index, Advantage kind,
+                                              bool norm_by_std, const at::TensorOptions& opts) {
   const int64_t num_groups = g.num_groups;
   Tensor order, start;
   if (kind == Advantage::Reinforce) {  // one batch-wide baseline
@@ -144,9 +211,12 @@ std::pair<Tensor, Tensor> advantages(Groups g, const OptTensor& group_index, Adv
     g.order = order.data_ptr<int64_t>();
     g.start = start.data_ptr<int64_t>();
   }
-  if (kind != Advantage::Opob) g.log_weight = nullptr;
+  if (kind != Advantage::Opob) {
+    g.log_weight = nullptr;
+    g.leave_one_out = false;
+  }
   auto stream = at::cuda::getCurrentCUDAStream();
-  Tensor stats = at::empty({4, g.num_groups}, opts.dtype(at::kDouble));
+  Tensor stats = at::empty({kStatRows, g.num_groups}, opts.dtype(at::kDouble));
   group_stats_kernel<acc_t><<<g.num_groups, kThreads, 0, stream>>>(g, stats.data_ptr<double>());
   Tensor adv = at::empty({g.num_seqs}, opts);
   if (g.num_seqs > 0) {
@@ -155,9 +225,11 @@ std::pair<Tensor, Tensor> advantages(Groups g, const OptTensor& group_index, Adv
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   Tensor baseline = kind == Advantage::None        ? at::zeros({num_groups}, opts)
-                    : kind == Advantage::Reinforce ? stats[3].expand({num_groups}).to(opts.dtype()).contiguous()
-                                                   : stats[3].to(opts.dtype());
-  return {baseline, adv};
+                    : kind == Advantage::Reinforce ? stats[kBaseline].expand({num_groups}).to(opts.dtype()).contiguous()
+                                                   : stats[kBaseline].to(opts.dtype());
+  Tensor share = kind == Advantage::Opob ? at::cat({stats[kShare], at::zeros({1}, stats.options())}).amax()
+                                         : at::zeros({}, stats.options());
+  return {baseline, adv, share};
 }
 
 }  // namespace

@@ -98,15 +98,15 @@ std::tuple<Tensor, Tensor> opob_baseline_cuda(const Tensor& rewards, const Tenso
   check_baseline_inputs(rewards, log_weight, grad_sq_norm, group_index, seq_length, num_groups, length_norm, device);
   const int64_t b = log_weight.numel();
   const auto dtype = log_weight.scalar_type();
-  std::pair<Tensor, Tensor> out;
+  std::tuple<Tensor, Tensor, Tensor> out;
   AT_DISPATCH_FLOATING_TYPES(dtype, "vcpo_opob_cuda", [&] {
     const Groups g{rewards.data_ptr(), seq_length ? seq_length->data_ptr() : nullptr,
                    group_index ? group_index->data_ptr<int64_t>() : nullptr, b, num_groups, log_weight.data_ptr(),
                    grad_sq_norm ? grad_sq_norm->data_ptr() : nullptr, length_norm, OpobWeight::Raw, 0.0,
-                   nullptr, nullptr};
+                   nullptr, nullptr, false};
     out = advantages<scalar_t>(g, group_index, Advantage::Opob, norm_by_std, log_weight.options());
   });
-  return {out.first, out.second};
+  return {std::get<0>(out), std::get<1>(out)};
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> policy_loss_cuda(
@@ -125,7 +125,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> policy_loss_cuda(
   const LossOptions o = unpack_loss_options(codes, values, advantages_in.has_value());
   const Params p = loss_params<double>(o);
   auto stream = at::cuda::getCurrentCUDAStream();
-  Tensor loss = at::empty({}, opts), scalars = at::empty({kNumScalars}, opts), baseline, adv;
+  Tensor loss = at::empty({}, opts), scalars = at::empty({kNumScalars}, opts), baseline, adv, share;
   Tensor grad_scale = at::empty({b}, opts), seq_log_weight;
   dispatch_logp(logp, behavior_logp, [&](auto lp, auto ref) {
     using lp_t = decltype(lp);
@@ -142,11 +142,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> policy_loss_cuda(
     if (advantages_in) {
       baseline = at::zeros({num_groups}, opts);
       adv = at::where(length > 0, *advantages_in, at::zeros({}, opts));
+      share = at::zeros({}, opts.dtype(at::kDouble));
     } else {
       const Groups g{rewards->data_ptr(), length.data_ptr(), group_index ? group_index->data_ptr<int64_t>() : nullptr,
                      b, num_groups, s.data_ptr(), grad_sq_norm ? grad_sq_norm->data_ptr() : nullptr,
-                     o.opob_length_norm, o.opob_weight, o.log_threshold, nullptr, nullptr};
-      std::tie(baseline, adv) = advantages<acc_t>(g, group_index, o.advantage, o.norm_by_std, opts);
+                     o.opob_length_norm, o.opob_weight, o.log_threshold, nullptr, nullptr, o.opob_leave_one_out};
+      std::tie(baseline, adv, share) = advantages<acc_t>(g, group_index, o.advantage, o.norm_by_std, opts);
     }
     const bool token_pass = old_logp.has_value() || o.is_level == IsLevel::Token;
     Tensor partials = at::zeros({std::max<int64_t>(grid, 1), 4}, opts);
@@ -156,8 +157,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> policy_loss_cuda(
     }
     finish_kernel<acc_t><<<1, kThreads, 0, stream>>>(
         partials.data_ptr<acc_t>(), token_pass ? grid : 0, work.data_ptr<double>(), grad_scale.data_ptr<acc_t>(),
-        adv.data_ptr<acc_t>(), length.data_ptr<acc_t>(), b, token_pass, o.is_level == IsLevel::Token,
-        loss.data_ptr<acc_t>(), scalars.data_ptr<acc_t>());
+        adv.data_ptr<acc_t>(), length.data_ptr<acc_t>(), share.data_ptr<double>(), b, token_pass,
+        o.is_level == IsLevel::Token, loss.data_ptr<acc_t>(), scalars.data_ptr<acc_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {loss, scalars, baseline, adv, seq_log_weight, grad_scale};

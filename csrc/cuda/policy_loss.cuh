@@ -137,8 +137,8 @@ __global__ void token_pass_kernel(Tokens t, Params p, const acc_t* adv_in, const
 // terms are constant within each sequence, from -sum_i grad_scale_i A_i L_i.
 template <typename acc_t>
 __global__ void finish_kernel(const acc_t* partials, int64_t num_parts, const double* work, const acc_t* grad_scale,
-                              const acc_t* adv, const acc_t* length, int64_t n, bool token_pass, bool token_level,
-                              acc_t* loss_out, acc_t* scalars) {
+                              const acc_t* adv, const acc_t* length, const double* share, int64_t n,
+                              bool token_pass, bool token_level, acc_t* loss_out, acc_t* scalars) {
   double loss = 0, changed = 0, coef = 0, clipped = 0;
   if (token_pass) {
     for (int64_t j = threadIdx.x; j < num_parts; j += blockDim.x) {
@@ -173,6 +173,7 @@ __global__ void finish_kernel(const acc_t* partials, int64_t num_parts, const do
   scalars[kNumNonfinite] = static_cast<acc_t>(work[kWNonfinite]);
   scalars[kPpoClipFraction] = static_cast<acc_t>(tokens > 0 ? clipped / tokens : 0.0);
   scalars[kRejectedFraction] = acc_t(0);  // rejection is refused on CUDA so far (kernel_refusal)
+  scalars[kOpobMaxShare] = static_cast<acc_t>(*share);
 }
 
 }  // namespace

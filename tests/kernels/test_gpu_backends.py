@@ -61,6 +61,24 @@ def test_matches_reference_on_gpu(backend, name, with_old, layout, dtype):
     assert_matches(_cpu(got), got_grad.cpu(), want, want_grad, **TOL[dtype])
 
 
+@pytest.mark.parametrize("scope", ["group", "batch"])
+@on_gpu
+def test_opob_leave_one_out_on_gpu(backend, scope):
+    """Leave-one-out OPOB with one w^2 1e30 times the others' in each group (the float64 brute force of
+    test_opob_leave_one_out.py holds the reference to it), and opob_max_share, against the reference."""
+    g = torch.Generator().manual_seed(47)
+    s = 0.3 * torch.randn(16, 1, generator=g, dtype=torch.float64)
+    s[[2, 11]] += 35.0
+    kw = dict(rewards=torch.rand(16, generator=g, dtype=torch.float64), group_index=torch.arange(16) // 8,
+              grad_sq_norm=torch.rand(16, generator=g, dtype=torch.float64), opob_leave_one_out=True,
+              opob_scope=scope)
+    want = vk.policy_loss(s, torch.zeros_like(s), backend="torch", **kw)
+    got = vk.policy_loss(s.cuda(), torch.zeros_like(s).cuda(), backend=backend,
+                         **{k: v.cuda() if torch.is_tensor(v) else v for k, v in kw.items()})
+    for name in ("advantages", "baseline", "opob_max_share"):
+        torch.testing.assert_close(getattr(got, name).cpu(), getattr(want, name), rtol=1e-12, atol=1e-12)
+
+
 def long_and_many_sequences(backend: str, device: str, dtype: torch.dtype, lengths: list) -> None:
     """policy_loss of `backend` on `device` in `dtype` against the float64 reference on the CPU."""
     g = torch.Generator().manual_seed(len(lengths))

@@ -30,7 +30,7 @@ def test_reference_matches_oracle(name, with_old, layout, seed):
 
     assert _close(out.loss.item(), want["loss"])
     for key in ("ess", "ess_ratio", "lr_scale", "is_clip_fraction", "mean_is_coef", "kl_k3", "num_tokens",
-                "num_seqs", "ppo_clip_fraction"):
+                "num_seqs", "ppo_clip_fraction", "opob_max_share"):
         assert _close(getattr(out, key).item(), want[key]), key
     for key in ("baseline", "advantages", "seq_log_weight"):
         got = getattr(out, key).tolist()

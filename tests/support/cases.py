@@ -16,6 +16,8 @@ OPTION_CASES = {
     "opob-length-norm": dict(opob_length_norm=True),
     "opob-truncated": dict(opob_truncated_weights=True, is_threshold=1.5),
     "opob-compat": dict(reference_compat=True, is_threshold=1.5),
+    "opob-loo": dict(opob_leave_one_out=True),
+    "opob-loo-batch": dict(opob_leave_one_out=True, opob_scope="batch"),
     "grpo": dict(advantage="grpo"),
     "grpo-no-std": dict(advantage="grpo", norm_by_std=False),
     "rloo": dict(advantage="rloo"),

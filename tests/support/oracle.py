@@ -93,11 +93,12 @@ def _advantages(seqs: list[Seq], valid: list[int], s: list[float], o: PolicyLoss
     if any(q.advantage is not None for q in seqs):
         for i in valid:
             adv[i] = seqs[i].advantage
-        return baseline, adv
+        return baseline, adv, 0.0
     batch_opob = o.advantage == "opob" and o.opob_scope == "batch"
     group_of = (lambda i: 0) if batch_opob else (lambda i: seqs[i].group)
     n_groups = 1 if batch_opob else num_groups
     baseline = [0.0] * n_groups
+    shares = [0.0]  # the largest OPOB weight share of each group with members (0 with no group)
     members = {g: [i for i in valid if group_of(i) == g] for g in range(n_groups)}
     all_r = [seqs[i].reward for i in valid]
     for g, idx in members.items():
@@ -124,8 +125,9 @@ def _advantages(seqs: list[Seq], valid: list[int], s: list[float], o: PolicyLoss
             if o.opob_aggregation != "mean":
                 b_g = _robust_baseline(rs, weights, o)
             baseline[g] = b_g
-            for i in idx:
-                a = seqs[i].reward - b_g
+            shares.append(max(weights) / sum(weights) if sum(weights) > 0 else 1 / n)
+            for k, i in enumerate(idx):
+                a = seqs[i].reward - (leave_one_out_baseline(rs, weights, k) if o.opob_leave_one_out else b_g)
                 adv[i] = a / pop_std if o.norm_by_std and pop_std > 1e-8 else a
         elif o.advantage == "grpo":
             baseline[g] = m
@@ -146,7 +148,19 @@ def _advantages(seqs: list[Seq], valid: list[int], s: list[float], o: PolicyLoss
                 adv[i] = seqs[i].reward
     if o.advantage == "reinforce":
         baseline = [_mean(all_r) if all_r else 0.0] * n_groups
-    return baseline, adv
+    return baseline, adv, max(shares)
+
+
+def leave_one_out_baseline(rs: list, ws: list, i: int) -> float:
+    """b_-i by brute force: the weighted mean of the others' rewards; their plain mean if every other weight is 0;
+    R_i itself (advantage 0) with no other member."""
+    others = [j for j in range(len(rs)) if j != i]
+    if not others:
+        return rs[i]
+    total = sum(ws[j] for j in others)
+    if total == 0:
+        return sum(rs[j] for j in others) / len(others)
+    return sum(ws[j] * rs[j] for j in others) / total
 
 
 def oracle(seqs: list[Seq], o: PolicyLossOptions, num_groups: int, norm_length: Optional[float] = None) -> dict:
@@ -166,7 +180,7 @@ def oracle(seqs: list[Seq], o: PolicyLossOptions, num_groups: int, norm_length: 
     x = min(1.0, ratio / o.ess_base_ratio)
     lr_scale = {"sqrt": math.sqrt(x), "linear": x, None: 1.0}[o.lr_rule]
 
-    baseline, adv = _advantages(seqs, valid, s, o, num_groups)
+    baseline, adv, max_share = _advantages(seqs, valid, s, o, num_groups)
 
     loss, grads = 0.0, [[0.0] * lengths[i] for i in range(b)]
     changed = coef_sum = clipped = rejected = 0.0
@@ -220,4 +234,5 @@ def oracle(seqs: list[Seq], o: PolicyLossOptions, num_groups: int, norm_length: 
         "num_seqs": float(n_seq),
         "ppo_clip_fraction": clipped / n_tok if n_tok else 0.0,
         "rejected_fraction": rejected / n_tok if n_tok else 0.0,
+        "opob_max_share": max_share,
     }

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from ..inputs import SequenceBatch
 from ..options import PolicyLossOptions
-from .opob_baseline import opob_baseline
+from .opob_baseline import opob_terms
 from .segments import group_moments, group_of
 
 
@@ -39,14 +39,20 @@ def classic_advantages(kind: str, rewards: Tensor, valid: Tensor, group_index, n
 
 def sequence_advantages(seq: SequenceBatch, s: Tensor, length: Tensor, opts: PolicyLossOptions):
     """(b_g, A_i) of the configured estimator, or of the caller's advantages."""
+    return advantage_terms(seq, s, length, opts)[:2]
+
+
+def advantage_terms(seq: SequenceBatch, s: Tensor, length: Tensor, opts: PolicyLossOptions):
+    """(b_g, A_i, the largest OPOB weight share of a group: 0 for another estimator or given advantages)."""
     valid = length > 0
+    none = s.new_zeros(())
     if seq.advantages is not None:
-        return seq.advantages.new_zeros(seq.num_groups), torch.where(valid, seq.advantages, 0)
+        return seq.advantages.new_zeros(seq.num_groups), torch.where(valid, seq.advantages, 0), none
     if opts.advantage != "opob":
-        return classic_advantages(opts.advantage, seq.rewards, valid, seq.group_index, seq.num_groups,
-                                  opts.norm_by_std)
+        return *classic_advantages(opts.advantage, seq.rewards, valid, seq.group_index, seq.num_groups,
+                                   opts.norm_by_std), none
     s_trunc = torch.clamp(s, max=math.log(opts.is_threshold))
     log_weight = {0: s, 1: s_trunc, 2: s + s_trunc}[opts.opob_weight_code]
-    return opob_baseline(seq.rewards, log_weight, seq.grad_sq_norm, seq.group_index, length, seq.num_groups,
-                         opts.opob_length_norm, opts.norm_by_std, opts.opob_aggregation,
-                         opts.opob_winsorize_quantiles)
+    return opob_terms(seq.rewards, log_weight, seq.grad_sq_norm, seq.group_index, length, seq.num_groups,
+                      opts.opob_length_norm, opts.norm_by_std, opts.opob_aggregation, opts.opob_winsorize_quantiles,
+                      opts.opob_leave_one_out)

@@ -24,6 +24,25 @@ def opob_baseline(
 ):
     """(b_g [num_groups], A_i [B]) with W_j = exp(2 lw_j) G_j (/ L_j^2), max-shifted per group, and b_g their
     weighted mean, median or winsorized mean."""
+    return opob_terms(rewards, log_weight, grad_sq_norm, group_index, seq_length, num_groups, length_norm,
+                      norm_by_std, aggregation, quantiles)[:2]
+
+
+def opob_terms(
+    rewards: Tensor,
+    log_weight: Tensor,
+    grad_sq_norm: Optional[Tensor],
+    group_index: Optional[Tensor],
+    seq_length: Optional[Tensor],
+    num_groups: int,
+    length_norm: bool,
+    norm_by_std: bool,
+    aggregation: str = "mean",
+    quantiles: Tuple[float, float] = (0.05, 0.95),
+    leave_one_out: bool = False,
+):
+    """opob_baseline's (b_g, A_i) and the batch's largest weight share max_g max_j W_j / sum_g W; with
+    `leave_one_out`, A_i against b_-i, the weighted mean of the other members of i's group."""
     b = rewards.numel()
     length = seq_length if seq_length is not None else torch.ones_like(rewards)
     valid = length > 0
@@ -46,10 +65,49 @@ def opob_baseline(
     else:
         baseline = _robust_baseline(rewards, w, valid, group, num_groups, shift, aggregation, quantiles)
     sigma = var.sqrt()[group]
-    adv = rewards - baseline[group]
+    if leave_one_out:
+        adv = _leave_one_out_deviation(rewards, log_w, w, valid, group, num_groups, mean, shift, sum_w, sum_wd)
+    else:
+        adv = rewards - baseline[group]
     if norm_by_std:
         adv = torch.where(sigma > 1e-8, adv / sigma, adv)
-    return baseline, torch.where(valid, adv, 0)
+    return baseline, torch.where(valid, adv, 0), _max_share(shift, sum_w, num_groups, valid, group)
+
+
+def _max_share(shift, sum_w, num_groups, valid, group):
+    """max over the groups with members of max_j W_j / sum_j W_j = 1 / sum_j exp(log W_j - max): 1 / n_g where every
+    W_j is 0 (the members then weigh equally), NaN where a W_j is NaN or +inf; 0 for an empty batch."""
+    count = segment_sum(valid.to(sum_w.dtype), group, num_groups)
+    share = torch.where(shift == -torch.inf, 1 / count.clamp(min=1), 1 / sum_w)
+    share = torch.where(torch.isnan(shift) | (shift == torch.inf), torch.nan, share)
+    return torch.cat([torch.where(count > 0, share, 0), share.new_zeros(1)]).amax()
+
+
+def _leave_one_out_deviation(rewards, log_w, w, valid, group, num_groups, mean, shift, sum_w, sum_wd):
+    """R_i - b_-i, b_-i = mean + sum_{j != i} W_j (R_j - mean) / sum_{j != i} W_j over i's group. The sums over the
+    others are shifted by their own maximum: for i, not its group's (first) argmax a, the group's sums minus i's
+    term, whose shifted weight is at most a's, 1, so the difference is at least half the sum (no cancellation);
+    for a, sums over the others shifted by their maximum (the second largest W), formed without subtracting.
+    No other member, or every other W_j = 0: the unweighted mean of the others (the RLOO deviation, 0 for a
+    one-member group); a NaN or +inf W_j in the group: NaN."""
+    b = rewards.numel()
+    index = torch.arange(b, device=rewards.device)
+    top = valid & (log_w == shift[group])
+    first = index.new_full((num_groups,), b).scatter_reduce(0, group, torch.where(top, index, b), reduce="amin")
+    is_first = index == first[group]
+    others = torch.where(is_first, -torch.inf, log_w)
+    shift2 = segment_max(others, group, num_groups)
+    w2 = torch.exp(others - torch.where(torch.isfinite(shift2), shift2, 0)[group])
+    d = torch.where(valid, rewards - mean[group], 0)
+    sum_w2, sum_wd2 = segment_sum(w2, group, num_groups), segment_sum(w2 * d, group, num_groups)
+    den = torch.where(is_first, sum_w2[group], sum_w[group] - w)
+    num = torch.where(is_first, sum_wd2[group], sum_wd[group] - w * d)
+    none = torch.where(is_first, shift2[group], shift[group]) == -torch.inf
+    n = segment_sum(valid.to(rewards.dtype), group, num_groups)[group]
+    unweighted = torch.where(n > 1, d * n / (n - 1).clamp(min=1), 0)
+    dev = torch.where(none, unweighted, d - num / den)
+    bad = (torch.isnan(shift) | (shift == torch.inf))[group]
+    return torch.where(bad, torch.nan, dev)
 
 
 def _robust_baseline(rewards, w, valid, group, num_groups, shift, aggregation, quantiles):

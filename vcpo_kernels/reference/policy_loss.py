@@ -10,7 +10,7 @@ from torch import Tensor
 
 from ..inputs import SequenceBatch, TokenBatch
 from ..options import PolicyLossOptions
-from .advantages import sequence_advantages
+from .advantages import advantage_terms
 from .effective_sample_size import effective_sample_size
 from .segments import segment_ids, segment_max, segment_sum
 from .sequence_stats import sequence_stats, token_deltas
@@ -103,7 +103,7 @@ def policy_loss(tokens: TokenBatch, seq: SequenceBatch, opts: PolicyLossOptions,
     ess, ess_ratio, lr_scale = effective_sample_size(
         s_trunc if opts.ess_on_corrected else s, length, opts.ess_base_ratio, opts.lr_rule
     )
-    baseline, adv = sequence_advantages(seq, s, length, opts)
+    baseline, adv, max_share = advantage_terms(seq, s, length, opts)
 
     counted, prox, delta = token_deltas(tokens)
     ids = segment_ids(tokens.cu_seqlens, tokens.logp.numel())
@@ -143,5 +143,6 @@ def policy_loss(tokens: TokenBatch, seq: SequenceBatch, opts: PolicyLossOptions,
         (valid & ~torch.isfinite(s)).sum().to(cd),
         (on_clip & counted).sum().to(cd) / denom_tokens,
         rejected.sum().to(cd) / denom_tokens,
+        max_share.to(cd),
     ]).to(cd)
     return loss, scalars, baseline, adv, s

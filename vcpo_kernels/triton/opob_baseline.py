@@ -6,4 +6,4 @@ from .advantages import OPOB, advantages
 
 def opob_baseline(rewards, log_weight, grad_sq_norm, group_index, seq_length, num_groups, length_norm, norm_by_std):
     return advantages(OPOB, rewards, seq_length, group_index, num_groups, norm_by_std, log_weight=log_weight,
-                      grad_sq_norm=grad_sq_norm, length_norm=length_norm)
+                      grad_sq_norm=grad_sq_norm, length_norm=length_norm)[:2]

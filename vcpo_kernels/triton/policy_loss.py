@@ -20,7 +20,8 @@ from .advantages import OPOB, advantages
 from .codes import (AGG_SEQ_MEAN_TOKEN_MEAN, AGG_SEQ_MEAN_TOKEN_SUM, AGG_TOKEN_MEAN, CORRECTION_MASK,
                     CORRECTION_TRUNCATE, LEVEL_GEOMETRIC, LEVEL_TOKEN, SCALAR_ESS, SCALAR_ESS_RATIO,
                     SCALAR_IS_CLIP_FRACTION, SCALAR_KL_K3, SCALAR_LR_SCALE, SCALAR_MEAN_IS_COEF, SCALAR_NUM_NONFINITE,
-                    SCALAR_NUM_SEQS, SCALAR_NUM_TOKENS, SCALAR_PPO_CLIP_FRACTION, SCALAR_REJECTED_FRACTION)
+                    SCALAR_NUM_SEQS, SCALAR_NUM_TOKENS, SCALAR_OPOB_MAX_SHARE, SCALAR_PPO_CLIP_FRACTION,
+                    SCALAR_REJECTED_FRACTION)
 from .effective_sample_size import ess_of
 from .segments import BLOCK, CHUNK, chunk_span
 from .sequence_stats import sequence_sums
@@ -180,7 +181,7 @@ def _token_pass(lp_ptr, mu_ptr, old_ptr, mask_ptr, cu_ptr, chunk_end_ptr, adv_pt
 
 
 @triton.jit
-def _finish(part_ptr, num_parts, work_ptr, gs_ptr, adv_ptr, len_ptr, n, loss_ptr, scalars_ptr,
+def _finish(part_ptr, num_parts, work_ptr, gs_ptr, adv_ptr, len_ptr, n, loss_ptr, scalars_ptr, share_ptr,
             TOKEN_PASS: tl.constexpr, TOKEN_LEVEL: tl.constexpr, BLOCK: tl.constexpr):
     # The loss and the statistics of contract.md, "Statistics", from the chunk partials (in order) or, when
     # the token terms are constant within each sequence, from -sum_i grad_scale_i A_i L_i.
@@ -229,6 +230,7 @@ def _finish(part_ptr, num_parts, work_ptr, gs_ptr, adv_ptr, len_ptr, n, loss_ptr
     tl.store(scalars_ptr + SCALAR_PPO_CLIP_FRACTION,
              tl.where(tokens > 0, clipped / tl.maximum(tokens, 1.0), 0.0).to(dt))
     tl.store(scalars_ptr + SCALAR_REJECTED_FRACTION, tl.zeros((), dt))  # no rejection here yet (kernel_refusal)
+    tl.store(scalars_ptr + SCALAR_OPOB_MAX_SHARE, tl.load(share_ptr).to(dt))
 
 
 def _token_args(t: TokenBatch, plan, adv, gs, opts: PolicyLossOptions):
@@ -263,13 +265,15 @@ class _PolicyLoss(torch.autograd.Function):
         if seq.advantages is not None:
             baseline = torch.zeros(seq.num_groups, dtype=acc, device=device)
             adv = torch.where(length > 0, seq.advantages, 0)
+            share = work.new_zeros(())
         else:
             kind = ADVANTAGES[opts.advantage]
-            baseline, adv = advantages(kind, seq.rewards, length, seq.group_index, seq.num_groups, opts.norm_by_std,
-                                       log_weight=s if kind == OPOB else None, grad_sq_norm=seq.grad_sq_norm,
-                                       length_norm=opts.opob_length_norm, weight=opts.opob_weight_code,
-                                       log_hi=log_hi, aggregation=opts.opob_aggregation,
-                                       quantiles=opts.opob_winsorize_quantiles)
+            baseline, adv, share = advantages(
+                kind, seq.rewards, length, seq.group_index, seq.num_groups, opts.norm_by_std,
+                log_weight=s if kind == OPOB else None, grad_sq_norm=seq.grad_sq_norm,
+                length_norm=opts.opob_length_norm, weight=opts.opob_weight_code, log_hi=log_hi,
+                aggregation=opts.opob_aggregation, quantiles=opts.opob_winsorize_quantiles,
+                leave_one_out=opts.opob_leave_one_out)
         token_pass = t.old_logp is not None or opts.is_level == "token"
         grid, args, scalars, flags = _token_args(t, plan, adv, gs, opts)
         partials = torch.zeros((max(grid, 1), 4), dtype=acc, device=device)
@@ -277,7 +281,7 @@ class _PolicyLoss(torch.autograd.Function):
             _token_pass[(grid,)](*args, work, partials, t.logp, *scalars, WRITE_GRAD=False, **flags)
         loss = torch.empty((), dtype=acc, device=device)
         stats = torch.empty(len(SCALAR_FIELDS), dtype=acc, device=device)
-        _finish[(1,)](partials, grid if token_pass else 0, work, gs, adv, length, b, loss, stats,
+        _finish[(1,)](partials, grid if token_pass else 0, work, gs, adv, length, b, loss, stats, share,
                       TOKEN_PASS=token_pass, TOKEN_LEVEL=opts.is_level == "token", BLOCK=BLOCK_SEQS)
         ctx.tokens, ctx.plan, ctx.opts = t, plan, opts
         ctx.save_for_backward(adv, gs)
