@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 from vcpo.config import VCPOConfig
 
 from .gguf_models import is_gguf
+from .lora import VLLM_MAX_LORA_RANKS
 from .lr_schedule import LR_SCHEDULES
 from .report import parse_report_to
 from .rewards import REWARD_ERRORS
@@ -60,12 +61,14 @@ BUILTIN_LR, MODEL_LR = 3e-4, 1e-6  # AdamW's learning rate unless `lr` is given:
 Check = Callable[[Any, str], object]
 
 
-def integer(at_least: int) -> Check:
-    """An int, not a bool, >= at_least."""
+def integer(at_least: int, at_most: Optional[int] = None) -> Check:
+    """An int, not a bool, >= at_least (and <= at_most)."""
+    what = f"an integer >= {at_least}" if at_most is None else f"an integer from {at_least} to {at_most}"
 
     def check(value: Any, name: str) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < at_least:
-            raise ValueError(f"{name} must be an integer >= {at_least}, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < at_least or \
+                (at_most is not None and value > at_most):
+            raise ValueError(f"{name} must be {what}, got {value!r}")
 
     return check
 
@@ -301,10 +304,10 @@ class TrainConfig:
     ray: Optional[str] = setting(None, group=RANKS, resumable=True, check=_ray_address,
         help="place the trainer ranks and local servers on a Ray cluster: at ADDRESS (auto, HOST:PORT, "
              "ray://HOST:PORT), or without one on a new local cluster (docs/trainer.md, Trainer ranks on Ray)")
-    lora_rank: Optional[int] = setting(None, group=LORA,
+    lora_rank: Optional[int] = setting(None, group=LORA, check=integer(1, at_most=VLLM_MAX_LORA_RANKS[-1]),
         help="train LoRA adapters of this rank (peft) instead of the whole model; the engine gets only the adapter "
              "(docs/trainer.md, LoRA)")
-    lora_alpha: Optional[float] = setting(None, group=LORA,
+    lora_alpha: Optional[float] = setting(None, group=LORA, check=number(above=0),
         help="LoRA scale numerator: the adapter's update is (alpha / rank) B A (default: 2 * rank)")
     lora_targets: str = setting("all-linear", group=LORA,
         help="the modules that get adapters: all-linear (every linear layer but the LM head) or names, "
