@@ -95,13 +95,14 @@ def policy_loss(logp: Tensor, behavior_logp: Tensor, *, process_group, options, 
         s, seq_length=length, ess_base_ratio=options.ess_base_ratio, lr_rule=options.lr_rule, validate=False,
         is_threshold=options.is_threshold if options.ess_on_corrected else None, backend="torch")
     if seq.advantages is not None:
-        baseline, adv_local = seq.advantages.new_zeros(seq.num_groups), seq.advantages
+        baseline, adv_local, max_share = seq.advantages.new_zeros(seq.num_groups), seq.advantages, s.new_zeros(())
     else:
         everyone = vcpo_kernels.advantages(
             every[:, 2], s, seq_length=length, grad_sq_norm=every[:, 3],
             group_index=None if seq.group_index is None else every[:, 4].long(), num_groups=seq.num_groups,
             options=options, validate=False)
         baseline, adv_local = everyone.baseline, everyone.advantages[first:first + b]
+        max_share = everyone.opob_max_share
     out = vcpo_kernels.policy_loss(logp, behavior_logp, mask=mask, cu_seqlens=cu_seqlens, old_logp=old_logp,
                                    advantages=adv_local.to(tokens.acc_dtype),
                                    options=options.replace(is_batch_normalize=False), validate=False, backend=backend)
@@ -117,5 +118,5 @@ def policy_loss(logp: Tensor, behavior_logp: Tensor, *, process_group, options, 
     out.loss = out.loss * share.to(out.loss.dtype)
     dtype = out.ess.dtype
     out.ess, out.ess_ratio, out.lr_scale = (t.to(dtype) for t in (ess.ess, ess.ess_ratio, ess.lr_scale))
-    out.baseline = baseline.to(dtype)
+    out.baseline, out.opob_max_share = baseline.to(dtype), max_share.to(dtype)  # the op saw given advantages
     return out

@@ -48,6 +48,7 @@ class EffectiveSampleSize:
 class Baseline:
     baseline: Tensor  # [num_groups]
     advantages: Tensor  # [B]
+    opob_max_share: Optional[Tensor] = None  # advantages(): the largest OPOB weight share of a group (0: no OPOB)
 
 
 @dataclass
@@ -182,7 +183,7 @@ def advantages(
     g, ng = (None, 1) if opts.batch_baseline else group_index_tensor(group_index, num_groups, b, device, check)
     seq = SequenceBatch(per_sequence("rewards", rewards, b, device, dtype, check), None, g, ng,
                         grad_sq_norm_tensor(grad_sq_norm, b, device, dtype, check))
-    return Baseline(*reference.sequence_advantages(seq, lw, _seq_length_tensor(seq_length, lw, check), opts))
+    return Baseline(*reference.advantage_terms(seq, lw, _seq_length_tensor(seq_length, lw, check), opts))
 
 
 def policy_loss(

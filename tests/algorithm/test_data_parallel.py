@@ -30,7 +30,7 @@ def _loss_on_rank(rank, backend, options):
     logp, mu = local.pop("logp"), local.pop("behavior_logp")
     out = vcpo.policy_loss(logp, mu, num_groups=batch.num_groups, config=vcpo.VCPOConfig(backend=backend, **options),
                            process_group=dist.group.WORLD, **local)
-    return {k: getattr(out, k) for k in ("ess", "ess_ratio", "lr_scale", "baseline", "advantages")}
+    return {k: getattr(out, k) for k in ("ess", "ess_ratio", "lr_scale", "baseline", "opob_max_share", "advantages")}
 
 
 def _on_rank(rank):
@@ -53,6 +53,7 @@ LOSS_CASES = [
     ("torch", {}),
     ("cpu", dict(advantage="grpo", ess_on_corrected=True, is_threshold=1.5)),
     ("cpu", dict(opob_scope="batch", lr_rule="linear", ess_base_ratio=0.55)),
+    ("cpu", dict(opob_leave_one_out=True)),
 ]
 
 
@@ -66,11 +67,13 @@ def test_two_ranks_agree_with_one_process(ranks, case):
     whole = vcpo.policy_loss(batch.logp, batch.behavior_logp, mask=batch.mask, rewards=batch.rewards,
                              group_index=batch.group_index, num_groups=batch.num_groups,
                              grad_sq_norm=batch.grad_sq_norm, config=vcpo.VCPOConfig(backend=backend, **options))
-    for key in ("ess", "ess_ratio", "lr_scale", "baseline"):
+    for key in ("ess", "ess_ratio", "lr_scale", "baseline", "opob_max_share"):
         torch.testing.assert_close(ranks[0][key], ranks[1][key], rtol=0, atol=0)  # identical on every rank
         torch.testing.assert_close(ranks[0][key], getattr(whole, key), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(torch.cat([r["advantages"] for r in ranks]), whole.advantages, rtol=1e-5, atol=1e-6)
     assert 0 < ranks[0]["lr_scale"].item() < 1
+    if whole.opob_max_share.item() > 0:  # the OPOB cases: a share the ranks form from every rank's sequences
+        assert 1 / 3 < ranks[0]["opob_max_share"].item() <= 1  # groups of up to 3: some share is above 1/3
 
 
 def test_process_group_without_distributed_is_an_error():

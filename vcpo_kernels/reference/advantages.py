@@ -37,11 +37,6 @@ def classic_advantages(kind: str, rewards: Tensor, valid: Tensor, group_index, n
     return baseline, torch.where(valid, adv, 0)
 
 
-def sequence_advantages(seq: SequenceBatch, s: Tensor, length: Tensor, opts: PolicyLossOptions):
-    """(b_g, A_i) of the configured estimator, or of the caller's advantages."""
-    return advantage_terms(seq, s, length, opts)[:2]
-
-
 def advantage_terms(seq: SequenceBatch, s: Tensor, length: Tensor, opts: PolicyLossOptions):
     """(b_g, A_i, the largest OPOB weight share of a group: 0 for another estimator or given advantages)."""
     valid = length > 0
