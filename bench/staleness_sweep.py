@@ -63,6 +63,7 @@ ABLATIONS = {
     "vcpo-lr-linear": ["--loss", "vcpo", "--lr-rule", "linear"],
     "vcpo-c4": ["--loss", "vcpo", "--is-threshold", "4"],  # truncation at C = 4 instead of 8
     "vcpo-lr-ema-0.9": ["--loss", "vcpo", "--lr-scale-ema", "0.9"],  # the lr scale averaged over about 20 steps
+    "ppo-ess": ["--loss", "ppo", "--ess-scaling"],  # PPO's clipped loss with VCPO's ESS-scaled step
 }
 # The rules above at a constant lr, the only schedule before 0eb50e8 (every summary of rule r at an older commit ran at
 # a constant lr); these with the lr decayed over the run, `vcpo train`'s default since
