@@ -64,6 +64,10 @@ ABLATIONS = {
     "vcpo-c4": ["--loss", "vcpo", "--is-threshold", "4"],  # truncation at C = 4 instead of 8
     "vcpo-lr-ema-0.9": ["--loss", "vcpo", "--lr-scale-ema", "0.9"],  # the lr scale averaged over about 20 steps
     "ppo-ess": ["--loss", "ppo", "--ess-scaling"],  # PPO's clipped loss with VCPO's ESS-scaled step
+    # the linear lr rule (the scale is the ESS ratio, not its square root) beside each variant: the protocol's grid
+    "vcpo-loo-linear": ["--loss", "vcpo", "--opob-leave-one-out", "true", "--lr-rule", "linear"],
+    "vcpo-no-opob-linear": ["--loss", "vcpo", "--no-opob", "--lr-rule", "linear"],
+    "ppo-ess-linear": ["--loss", "ppo", "--ess-scaling", "--lr-rule", "linear"],
 }
 # The rules above at a constant lr, the only schedule before 0eb50e8 (every summary of rule r at an older commit ran at
 # a constant lr); these with the lr decayed over the run, `vcpo train`'s default since
