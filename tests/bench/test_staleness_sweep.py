@@ -288,6 +288,7 @@ if __name__ == "__main__":
 
 def test_every_rule_is_the_loss_it_names(monkeypatch):
     """Each rule's `vcpo train` arguments parse, and the VCPO variants differ from `vcpo` in their one option."""
+    import vcpo.trainer.process_guard
     import vcpo.trainer.run
     from vcpo.trainer.cli import main
 
@@ -296,6 +297,7 @@ def test_every_rule_is_the_loss_it_names(monkeypatch):
         configs[rule], schedules[rule] = cfg.vcpo_config(), cfg.lr_schedule  # and no summary, as on a rank > 0
 
     monkeypatch.setattr(vcpo.trainer.run, "train", train)
+    monkeypatch.setattr(vcpo.trainer.process_guard, "guard", lambda: None)  # no watchdog for the test's process
     for rule, argv in sweep.RULES.items():
         assert main(["train", *argv]) == 0
     base = vars(configs["vcpo"])
