@@ -3,6 +3,7 @@ the accumulation dtype, chunking of per-sequence temporaries, the check of a rep
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -95,3 +96,72 @@ def replay_matches(got: Tensor, want: Tensor, call: Call) -> bool:
     got, want = acc(got.detach()), acc(want.detach())
     tol = rtol * float(want.abs().max()) + 1e-30
     return float((got - want).abs().max()) <= tol
+
+
+# The check above only reads: it decides whether a module's replay is used or refused, never a number. It runs the
+# first time a module is replayed in one way and, once passed on a batch that could have failed it, not again in
+# this process while nothing that could change the replay's outcome changed (replay_key). Kept per module object,
+# weakly: a module that is freed takes its entries with it (no leak, and a new module at a reused address is
+# checked afresh). docs/grad_norms.md, "Never a silently wrong number", states the rule.
+_PASSED: "weakref.WeakKeyDictionary[nn.Module, set]" = weakref.WeakKeyDictionary()
+_MAX_KEYS = 32  # per module: a key that changes every call (an int argument) is then checked every time
+
+
+def replay_key(rec: Record, call: Call, how: str, batched: list) -> tuple:
+    """What a passed check of a replay of `rec.module` in way `how` holds for; the module object itself is the
+    cache's (weak) key. Each part is something that can turn a replay that reproduces the output into one that does
+    not, without the module object changing:
+    - `how`: the kind of replay ("vmap per sequence" padded, "vmap per token" packed, "whole call, padded/packed"):
+      each is another computation with its own way to fail (a module can act per sequence but not per token);
+    - the `training` flag of the module and of every module below it: dropout and other train-only randomness,
+      also in a child the module calls (model.train() after a check in eval mode is checked again);
+    - the module's class (FSDP2's fully_shard swaps it) and its replayed parameters by name and dtype (adopted ones
+      included, FSDP2's unsharded copies in their dtype): model.to(dtype), a change of what is trainable;
+    - the call's arguments: their tree (positional, keywords), each tensor's dtype, rank, device type and whether
+      it is replayed per sequence (`batched`: laid out by sequence or token), and the value of every other leaf
+      of a plain type (flags that choose a code path; any other object by its type, so the key holds no object
+      of the model's alive);
+    - its outputs' dtypes and ranks and which of them received a gradient: only those are replayed and checked.
+    Not in it: shapes and values, which change every step; the values are the module's business, see
+    docs/grad_norms.md for what a user gives up."""
+    m = rec.module
+    leaves, spec = tree_flatten((call.args, call.kwargs))
+    args = tuple((t.dtype, t.dim(), t.device.type, j in batched) if isinstance(t, Tensor) else
+                 (type(t).__name__, t if isinstance(t, (int, float, bool, str, type(None))) else
+                  str(t) if isinstance(t, (torch.dtype, torch.device)) else None) for j, t in enumerate(leaves))
+    params = tuple((n, call.weights.get(n, p).dtype) for n, p in call_params(rec, call).items())
+    outs = tuple((v.dtype, v.dim(), g is not None) for v, g in zip(call.values, call.grads))
+    return (how, type(m), tuple(x.training for x in m.modules()), params, spec, args, outs)
+
+
+def replay_checked(module: nn.Module, key: tuple) -> bool:
+    """Whether a replay of `module` with this key passed its check before, in this process."""
+    keys = _PASSED.get(module)
+    return keys is not None and key in keys
+
+
+def replay_passed(module: nn.Module, key: tuple) -> None:
+    """Remember that a replay of `module` with this key reproduced its output on a batch that could have failed."""
+    keys = _PASSED.setdefault(module, set())
+    if len(keys) < _MAX_KEYS:
+        keys.add(key)
+
+
+def forget_replay_checks() -> None:
+    """Check every replay again from the next one on, as on a process's first step (e.g. after changing a module in
+    a way replay_key does not see; calling it before every step gives back the check of every replay)."""
+    _PASSED.clear()
+
+
+def tells_sequences_apart(parts: list) -> bool:
+    """Whether a check of a replay over `parts` ([(input, dimension it is replayed along)]) could see a module that
+    mixes sequences (or tokens): two of them differ in some input. One sequence, or identical ones, reproduce the
+    batch's output even when the module averages over them, so such a pass is not remembered. No input replayed
+    per sequence: the output cannot depend on another sequence's, only randomness can fail it."""
+    if not parts:
+        return True
+    for t, d in parts:  # the first two sequences usually differ already: the whole input is compared only if not
+        if t.shape[d] >= 2 and (not torch.equal(t.narrow(d, 1, 1), t.narrow(d, 0, 1))
+                                or bool((t != t.narrow(d, 0, 1)).any())):
+            return True
+    return False

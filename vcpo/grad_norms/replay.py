@@ -1,6 +1,7 @@
 """Any other module with parameters: its per-sequence gradients by a vjp of the module replayed on each sequence's
-part of its recorded inputs (under vmap, else in a loop), checked against what it output on the batch; its
-weighted gradient sum_i c_i g_i by one vjp of the whole call (docs/grad_norms.md)."""
+part of its recorded inputs (under vmap, else in a loop), checked against what it output on the batch (a vmap or
+whole-call replay once per module and records.replay_key, the loop every time); its weighted gradient
+sum_i c_i g_i by one vjp of the whole call (docs/grad_norms.md)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .layout import SequenceLayout
-from .records import Call, Record, UnsupportedModuleError, call_params, floats, replay_matches
+from .records import (Call, Record, UnsupportedModuleError, call_params, floats, replay_checked, replay_key,
+                      replay_matches, replay_passed, tells_sequences_apart)
 
 
 def _replayable(layout: SequenceLayout, rec: Record, call: Call):
@@ -55,7 +57,8 @@ def _per_seq_parts(layout: SequenceLayout, x: Tensor, rec: Record):
 def per_seq(layout: SequenceLayout, rec: Record, call: Call, replaying) -> dict:
     """{id(param): [B, *shape]}: the per-sequence gradients of a module's own parameters, by a vjp of the
     module replayed under vmap over sequences (padded) or tokens (packed, for modules that act on each token
-    separately), else in a loop over sequences; every replay must reproduce the module's recorded output.
+    separately), else in a loop over sequences; every replay must reproduce the module's recorded output (checked
+    the first time for its key, records.replay_key; the loop checks every time).
     `replaying()`: a context in which the recorder does not record the replays."""
     from torch.func import vjp, vmap
 
@@ -63,6 +66,9 @@ def per_seq(layout: SequenceLayout, rec: Record, call: Call, replaying) -> dict:
     values, cotangents = [call.values[k] for k in live], [call.grads[k] for k in live]
     ins = [_per_seq_parts(layout, leaves[j], rec) for j in batched]
     outs = [_per_seq_parts(layout, v, rec) for v in values]
+    # checked once per module, way of replay and key (records.replay_key); the loop below checks every time
+    key = replay_key(rec, call, "vmap per sequence" if layout.cu_seqlens is None else "vmap per token", batched)
+    checked = replay_checked(rec.module, key)
 
     def one(inputs, cots):
         replay, pullback = vjp(lambda ps: run(ps, inputs), params)
@@ -75,9 +81,12 @@ def per_seq(layout: SequenceLayout, rec: Record, call: Call, replaying) -> dict:
                 replay, grads = vmap(one, in_dims=([d for _, d in ins], [d for _, d in outs]), out_dims=(
                     tuple(d for _, d in outs), 0))([t for t, _ in ins],
                                                     [_per_seq_parts(layout, c, rec)[0] for c in cotangents])
-            ok = len(replay) == len(outs) and all(replay_matches(r, t, call) for r, (t, _) in zip(replay, outs))
+            ok = len(replay) == len(outs) and all(r.shape == t.shape if checked else replay_matches(r, t, call)
+                                                  for r, (t, _) in zip(replay, outs))
         except Exception:  # data-dependent control flow, ops vmap cannot batch: replay sequence by sequence
             ok = False
+        if ok and not checked and tells_sequences_apart(ins):
+            replay_passed(rec.module, key)
         if ok and layout.cu_seqlens is not None:  # per token: sum each sequence's tokens
             seq = layout.token_seq(next(iter(grads.values())).device) if grads else None
             grads = {n: g.new_zeros((layout.num_seqs, *g.shape[1:])).index_add_(0, seq, g) for n, g in grads.items()}
@@ -130,6 +139,12 @@ def weighted(layout: SequenceLayout, rec: Record, call: Call, coefficients: Tens
         replay, pullback = vjp(lambda ps: run(ps, [leaves[j] for j in batched]), params)
     # an output broadcast to every row by the forward hook is replayed as the module's one shared row
     cots = [c.sum(0, keepdim=True) if r.shape[0] == 1 and c.shape[0] > 1 else c for r, c in zip(replay, cots)]
-    if not all(replay_matches(r, v[:1] if r.shape[0] == 1 else v, call) for r, v in zip(replay, values)):
+    wants = [v[:1] if r.shape[0] == 1 else v for r, v in zip(replay, values)]
+    # the same inputs as the forward: only randomness fails this check, so any batch can pass it for good
+    key = replay_key(rec, call, "whole call, " + ("padded" if layout.cu_seqlens is None else "packed"), batched)
+    checked = replay_checked(rec.module, key)
+    if not all(r.shape == v.shape if checked else replay_matches(r, v, call) for r, v in zip(replay, wants)):
         raise UnsupportedModuleError(rec.name, "replaying it does not reproduce its output (random?)")
+    if not checked:
+        replay_passed(rec.module, key)
     return pullback(tuple(cots))[0]
