@@ -6,8 +6,9 @@ Two choices are made once, at load, as two small strategies the Policy is compos
   (Adapter: AdamW over the adapter alone; the adapter is what the engine gets and what a checkpoint holds,
   vcpo/trainer/lora.py);
 - how the ranks hold it: each the whole model, rank 0's weights broadcast at the start (Replicated), or with
-  `fsdp` sharded over the ranks (Sharded, FSDP2: the full weights gathered to rank 0 after each step, for the engine
-  and the checkpoints)."""
+  `fsdp` sharded over the ranks (Sharded, FSDP2: only rank 0 reads the weights, every other rank builds the model on
+  the meta device and receives its shard; the full weights gathered to rank 0 after each step, for the engine and
+  the checkpoints)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from . import lora
 from .config import TrainConfig
 from .errors import NonFiniteError
 from .lr_schedule import lr_factor
-from .placement.fsdp import full_optimizer_state, full_weights, load_full_optimizer_state, shard
+from .placement.fsdp import full_optimizer_state, full_weights, load_full_optimizer_state, load_full_weights, shard
 from .placement.ranks import TrainerRanks
 from .rollouts import Rollout, pad_rollouts
 
@@ -43,7 +44,8 @@ class Policy:
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.device, self.process_group, self.ranks = ranks.device, ranks.group, ranks
         self.trained = Adapter(cfg) if cfg.lora_rank is not None else FullModel()
-        self.model = self.trained.load(path)
+        # FSDP2: a rank but 0 never holds the whole model, only its shard (Sharded); LoRA runs on one rank
+        self.model = self.trained.skeleton(path) if cfg.fsdp and not ranks.main else self.trained.load(path)
         self.placement = (Sharded if cfg.fsdp else Replicated)(self.model, ranks)
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA: the adapter alone
         self.optimizer = torch.optim.AdamW(trainable, lr=cfg.resolved_lr(), weight_decay=cfg.weight_decay)
@@ -138,6 +140,13 @@ class FullModel:
 
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
+    def skeleton(self, path: str):
+        """The model of `path` on the meta device: its modules and shapes, no weights read or held."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
+
     def engine_model(self, start: str, base: str) -> str:
         return start
 
@@ -197,10 +206,13 @@ class Sharded:
     state for each checkpoint (in torch.optim's layout: a checkpoint resumes with or without FSDP)."""
 
     def __init__(self, model, ranks: TrainerRanks) -> None:
+        """`model`: rank 0's loaded from the files, the others' on the meta device (FullModel.skeleton)."""
         self.model, self.ranks = model, ranks
-        # every rank read the same files; rank 0 keeps them for the engine's first weights
-        self._weights = {k: v.detach().clone() for k, v in model.state_dict().items()} if ranks.main else None
+        # rank 0 keeps the weights it read (not a copy: sharding gives the model new storage, and the engine takes
+        # these before the first step) for the engine's first weights, and sends each rank its shard of them
+        self._weights = {k: v.detach() for k, v in model.state_dict().items()} if ranks.main else None
         shard(model, ranks)
+        load_full_weights(model, self._weights, ranks)
 
     def use_optimizer(self, optimizer: torch.optim.Optimizer, state: Optional[str]) -> None:
         """As Replicated's; besides, the other ranks take part in gathering its state for rank 0's checkpoints."""

@@ -26,6 +26,22 @@ def shard(model: torch.nn.Module, ranks: TrainerRanks) -> None:
     fully_shard(model, mesh=mesh)
 
 
+def load_full_weights(model: torch.nn.Module, weights: Optional[dict], ranks: TrainerRanks) -> None:
+    """Every rank, after shard(): rank 0's full `weights` (its state dict; None on the others) into the sharded
+    model, each tensor broadcast from rank 0 and cut to the ranks' shards, and rank 0's buffers (a rotary
+    embedding's inverse frequencies are in no state dict). A rank whose model is on the meta device (it read no
+    weights) first gets its shards' storage on its device."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        model.to_empty(device=ranks.device)
+    set_model_state_dict(model, weights if ranks.main else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0, group=ranks.group)
+
+
 def _full():
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
