@@ -160,8 +160,13 @@ def _watch(runtime: str, token: str, anchors: list[int]) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # it must outlive the run to clean up after it
         signal.signal(sig, signal.SIG_IGN)
     table = _table()
-    starts = {pid: table[pid][1] for pid in anchors if pid in table}
-    handles = [os.pidfd_open(pid) for pid in starts]  # readable once the process has ended
+    starts, handles = {}, []  # an anchor already gone has neither: the loop below ends at once
+    for pid in anchors:
+        try:
+            handles.append(os.pidfd_open(pid))  # readable once the process has ended
+            starts[pid] = table[pid][1]
+        except (ProcessLookupError, KeyError):
+            pass
     recorded: dict[int, int] = {}
     while len(starts) == len(anchors) and not select.select(handles, [], [], SCAN_S)[0]:
         table = _table()
