@@ -10,7 +10,7 @@ evaluations, too late for the reward's trailing window). A rule missing a cell i
 unknown).
 
     .venv/bin/python bench/staleness_sweep.py --lr 1.5e-4 --summaries bench/results/sweep_lr1.5e-4 --ks 16 \\
-        --seeds 0,1,2,3,4 --steps 400 --rules vcpo,vcpo-lr-linear -- --exact-staleness true
+        --seeds 0,1,2,3,4 --steps 400 --rules vcpo,vcpo-lr-linear -- --exact-staleness
     .venv/bin/python bench/lr_robustness.py bench/results/sweep_lr3e-4 bench/results/sweep_lr1.5e-4 \\
         bench/results/sweep_lr7.5e-5 --seeds 0,1,2,3,4 --ks 16,64
 """
