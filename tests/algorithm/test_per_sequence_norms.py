@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from support.backend_check import packed_lm_inputs
+from support.tiny_models import RMSNorm
 from vcpo.grad_norms import PerSequenceGradients, UnsupportedModuleError
 
 
@@ -17,15 +18,6 @@ def brute_force(objectives, params):
         grads = torch.autograd.grad(obj, params, retain_graph=True, allow_unused=True)
         out.append(sum(g.double().pow(2).sum() for g in grads if g is not None))
     return torch.stack(out)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.weight = nn.Parameter(1 + 0.1 * torch.randn(d))
-
-    def forward(self, x):
-        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
 class TokenwiseLM(nn.Module):

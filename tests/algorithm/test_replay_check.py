@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import vcpo
+from support.tiny_models import RMSNorm
 from vcpo.grad_norms import PerSequenceGradients, UnsupportedModuleError, records, replay
 
 
@@ -36,15 +37,6 @@ def checks(monkeypatch):
 
     monkeypatch.setattr(replay, "replay_matches", counted)
     return count
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.weight = nn.Parameter(1 + 0.1 * torch.randn(d))
-
-    def forward(self, x):
-        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
 class PythonNoise(nn.Module):

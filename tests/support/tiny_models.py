@@ -4,6 +4,7 @@ batch for vcpo.step."""
 
 import torch
 import transformers
+from torch import nn
 
 import vcpo
 from vcpo.step import token_logp
@@ -63,3 +64,14 @@ def rollout_batch(model, with_old=False, seed=1):
     old = current + 0.1 * torch.randn(b, t, generator=g, dtype=torch.float64) if with_old else None
     return vcpo.RolloutBatch(ids, attention, loss_mask, behavior, torch.tensor([1.0, 0.0, 2.0, 1.0, 0.0, 0.5]),
                              group_index=torch.tensor([0, 0, 1, 1, 2, 2]), num_groups=3, old_logp=old)
+
+
+class RMSNorm(nn.Module):
+    """A hand-written RMSNorm with a random scale: a module the norms replay (no rule of its own)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(d))
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
