@@ -7,6 +7,7 @@ from typing import Optional
 
 from vcpo_kernels.backends import BACKENDS
 from vcpo_kernels.options import PolicyLossOptions
+from vcpo_kernels.truncation import check_sampling
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,11 @@ class VCPOConfig(PolicyLossOptions):
     # The sampling temperature of the rollouts: the step's log-probs are those of softmax(logits / temperature),
     # the distribution the behaviour log-probs are of (vLLM's processed log-probs; docs/trainer.md, "Sampling").
     temperature: float = 1.0
+    # The rollouts' top-k and top-p (vLLM's; off: -1 or 0, and 1): the step's log-probs are those of the
+    # distribution truncated to the sampling support, decided from the trainer's own logits (docs/contract.md,
+    # "Truncated sampling"); a sampled token outside it has log-prob -inf, an importance weight of 0.
+    top_k: int = -1
+    top_p: float = 1.0
     # The lr scale of each step taken: 0 (the paper's), the batch's own; beta in (0, 1), the moving average, weight
     # beta, of the batch scales of the steps taken so far, bias-corrected (vcpo.lr.smoothed_lr_scale).
     lr_scale_ema: float = 0.0
@@ -54,6 +60,7 @@ class VCPOConfig(PolicyLossOptions):
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or \
                 not 0 < self.temperature < float("inf"):
             raise ValueError(f"temperature must be a finite number > 0, got {self.temperature!r}")
+        check_sampling(self.top_k, self.top_p)
         if isinstance(self.lr_scale_ema, bool) or not isinstance(self.lr_scale_ema, (int, float)) or \
                 not 0 <= self.lr_scale_ema < 1:
             raise ValueError(f"lr_scale_ema must be a number in [0, 1), got {self.lr_scale_ema!r}")

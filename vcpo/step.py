@@ -70,12 +70,20 @@ class RolloutBatch:
             raise ValueError(f"rewards must have shape [B] = [{shape[0]}], got {tuple(self.rewards.shape)}")
 
 
-def token_logp(logits: Tensor, targets: Tensor, temperature: float = 1.0) -> Tensor:
-    """log softmax(logits / temperature)[target], in fp32 at least (materialises the logits over the vocabulary)."""
+def token_logp(logits: Tensor, targets: Tensor, temperature: float = 1.0, top_k: int = -1,
+               top_p: float = 1.0) -> Tensor:
+    """log softmax(logits / temperature)[target], in fp32 at least (materialises the logits over the vocabulary).
+    With top_k / top_p (vLLM's; off: -1 or 0, and 1) the softmax is over the sampling support decided from these
+    logits; a target outside it has log-prob -inf and no gradient (docs/contract.md, "Truncated sampling")."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if temperature != 1:
         logits = logits / temperature
-    return torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if not vk.truncates(top_k, top_p, logits.shape[-1]):
+        return torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    keep = vk.sampling_support(logits, top_k, top_p)
+    logp = torch.log_softmax(logits.masked_fill(~keep, -torch.inf), -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    inside = keep.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return torch.where(inside, logp, -torch.inf)
 
 
 # Config fields of models whose logits are rescaled after the LM head (the fused op cannot follow them).
@@ -278,7 +286,7 @@ class _Pass:
                 logp = self.fused.logp(self.psg, detach_body=record and not keep and self.psg is None)
             else:
                 logits = model(input_ids=ids, attention_mask=mb.attention_mask, **_model_kwargs(model)).logits
-                logp = token_logp(logits[:, :-1], ids[:, 1:], config.temperature)
+                logp = token_logp(logits[:, :-1], ids[:, 1:], config.temperature, config.top_k, config.top_p)
                 del logits
             if record:
                 objective = torch.where(self.mask, logp, 0).sum()
@@ -386,7 +394,7 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatc
                 _Pass(model, _select(batch, rows, width), config, norms=False, keep=True,
                       bookkeeping=False).backward(dlogp[rows, :width - 1])
     world = dist.get_world_size(process_group) if process_group is not None else 1
-    sums = _loss_sums(out, config, mask.any(1), grad_sq_norm, world)
+    sums = _loss_sums(out, config, mask, logp, grad_sq_norm, world)
     if sharded:  # FSDP2's reduce-scatter (or book-keeping's, vcpo/grad_norms/fsdp.py) averaged the gradients
         dist.all_reduce(sums, group=process_group)
     elif process_group is not None:
@@ -399,7 +407,7 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatc
     extra = _whole_batch_statistics(out, sums)
     metrics = out.metrics(  # the one host sync of the step
         grad_norm=grad_norm, grad_sq_norm_mean=extra["grad_sq_norm_mean"], baseline_mean=out.baseline.mean(),
-        advantage_abs_mean=extra["advantage_abs_mean"],
+        advantage_abs_mean=extra["advantage_abs_mean"], outside_support_fraction=extra["outside_support_fraction"],
     )
     # The loss, the norm of the averaged gradient and the ESS are the whole batch's on every rank (a NaN on one rank
     # is NaN on all after the reductions), so the ranks skip together without a collective of their own.
@@ -437,26 +445,30 @@ def _check_sharded(params: list, config: VCPOConfig, process_group) -> bool:
     return True
 
 
-def _loss_sums(out, config: VCPOConfig, valid: Tensor, grad_sq_norm: Optional[Tensor], world: int) -> Tensor:
+def _loss_sums(out, config: VCPOConfig, mask: Tensor, logp: Tensor, grad_sq_norm: Optional[Tensor],
+               world: int) -> Tensor:
     """This rank's loss statistics as float64 sums (each fraction times the count it is a fraction of): summed
     over the ranks they give the whole batch's (_whole_batch_statistics). The loss is this rank's part of the
     whole batch's times the world size (vcpo/distributed.py)."""
+    valid = mask.any(1)
     units = out.num_tokens if config.is_level == "token" else out.num_seqs  # what is_clip_fraction counts
     values = [out.loss.detach() / world, out.is_clip_fraction * units, out.mean_is_coef * units, units,
               out.kl_k3 * out.num_tokens, out.ppo_clip_fraction * out.num_tokens, out.num_tokens, out.num_seqs,
               out.num_nonfinite, grad_sq_norm.sum() if grad_sq_norm is not None else valid.numel(),
-              valid.numel(), (out.advantages.abs() * valid).sum(), valid.sum(), out.rejected_fraction * out.num_tokens]
+              valid.numel(), (out.advantages.abs() * valid).sum(), valid.sum(), out.rejected_fraction * out.num_tokens,
+              ((logp == -torch.inf) & mask).sum()]  # sampled tokens outside the trainer's top-k / top-p support
     return torch.stack([torch.as_tensor(v, device=valid.device).double().reshape(()) for v in values])
 
 
 def _whole_batch_statistics(out, sums: Tensor) -> dict:
     """Sets out's statistics to the ones of the (summed) _loss_sums; returns the step's mean G_i and |A_i|."""
-    loss, clipped, coef, units, kl, ppo, tokens, seqs, nonfinite, g, b, adv, valid, rejected = sums.unbind()
+    loss, clipped, coef, units, kl, ppo, tokens, seqs, nonfinite, g, b, adv, valid, rejected, outside = sums.unbind()
     out.loss, out.num_tokens, out.num_seqs, out.num_nonfinite = loss, tokens, seqs, nonfinite
     out.is_clip_fraction, out.mean_is_coef = clipped / units.clamp(min=1), coef / units.clamp(min=1)
     out.kl_k3, out.ppo_clip_fraction = kl / tokens.clamp(min=1), ppo / tokens.clamp(min=1)
     out.rejected_fraction = rejected / tokens.clamp(min=1)
-    return {"grad_sq_norm_mean": g / b.clamp(min=1), "advantage_abs_mean": adv / valid.clamp(min=1)}
+    return {"grad_sq_norm_mean": g / b.clamp(min=1), "advantage_abs_mean": adv / valid.clamp(min=1),
+            "outside_support_fraction": outside / tokens.clamp(min=1)}
 
 
 class _FusedHead:
@@ -495,7 +507,8 @@ class _FusedHead:
                 self.hidden[:, :-1].reshape(-1, self.hidden.shape[-1]), self.head.weight, self.targets,
                 bias=self.head.bias, cu_seqlens=None if self.sq is None else self.cu, seq_grad_sq_norm=self.sq,
                 seq_grad_row_ids=ids if record_rows else None, seq_grad_rows=self.rows, softcap=self.softcap,
-                temperature=self.config.temperature, validate=False, backend=self.config.backend)
+                temperature=self.config.temperature, top_k=self.config.top_k, top_p=self.config.top_p,
+                validate=False, backend=self.config.backend)
         return out.logp.view(b, t - 1)
 
     def head_sq_norms(self, psg: Optional[PerSequenceGradients]) -> Tensor:
@@ -511,5 +524,6 @@ class _FusedHead:
         from a second pass of the op over the saved hidden states."""
         h = self.hidden[:, :-1].detach().reshape(-1, self.hidden.shape[-1])
         out = vk.linear_logprobs(h, self.head.weight, self.targets, bias=self.head.bias, softcap=self.softcap,
-                                 temperature=self.config.temperature, validate=False, backend=self.config.backend)
+                                 temperature=self.config.temperature, top_k=self.config.top_k,
+                                 top_p=self.config.top_p, validate=False, backend=self.config.backend)
         out.logp.backward(dlogp.reshape(-1).to(out.logp.dtype))

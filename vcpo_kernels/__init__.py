@@ -20,6 +20,7 @@ from .ops import (
 )
 from .options import PolicyLossOptions
 from .reference import ess_lr_scale
+from .truncation import check_sampling, sampling_support, truncates
 
 __all__ = [
     "BACKENDS",
@@ -32,6 +33,9 @@ __all__ = [
     "linear_logprobs",
     "LinearLogprobs",
     "ess_lr_scale",
+    "sampling_support",
+    "truncates",
+    "check_sampling",
     "PolicyLossOptions",
     "PolicyLossResult",
     "SequenceStats",

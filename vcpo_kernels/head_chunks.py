@@ -10,7 +10,12 @@ softcap c the passes read each logit as (c / T) tanh(z / (c / T)) = c tanh((h W^
 c / T (None: no cap), and the backward's d z is chain-ruled through the tanh in the pass that writes it. The
 forward keeps lse (and the entropy and sum p^2 when they are outputs, which the backward's d z needs); the
 backward recomputes each chunk's logits. With per-sequence norms the backward walks the tokens a sequence at a
-time (spans never cross a sequence)."""
+time (spans never cross a sequence).
+
+With top-k / top-p sampling (`truncation`) the loop itself reads the logits (capping them first), restricts each
+row to its sampling support (vcpo_kernels/truncation.py) by reading the logits outside it as far below the
+row's largest, and hands the passes no cap: their lse, entropy and sum p^2 are those of the truncated distribution.
+A target outside its row's support has log-prob -inf and no gradient (docs/contract.md, "Truncated sampling")."""
 
 from __future__ import annotations
 
@@ -18,6 +23,12 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
+
+from .truncation import sampling_support
+
+# A logit outside the sampling support is read as its row's largest minus this: its exp is 0 in fp64 too, and it
+# times any finite upstream gradient stays finite (a -inf would give 0 * inf = NaN in the passes' sums).
+_OUTSIDE_SUPPORT = 2.0 ** 17
 
 
 class RowPasses(NamedTuple):
@@ -35,6 +46,20 @@ def _logits(h: Tensor, w: Tensor, b: Optional[Tensor], inv_t: float) -> Tensor:
     return z.mul_(inv_t) if inv_t != 1.0 else z
 
 
+def _truncate(z: Tensor, targets: Tensor, ignore_index: int, cap: Optional[float], truncation: tuple,
+              slope: bool):
+    """(z capped and restricted to the sampling support, whether each row's target is inside it (an ignored one
+    counts as inside), d capped / d z or None): z's buffer is reused."""
+    d_cap = torch.div(z, cap).cosh_().pow_(-2) if cap is not None and slope else None
+    if cap is not None:
+        z.div_(cap).tanh_().mul_(cap)
+    keep = sampling_support(z, *truncation)
+    ignored = targets == ignore_index
+    inside = keep.gather(1, torch.where(ignored, 0, targets)[:, None])[:, 0] | ignored
+    floor = z.amax(1, keepdim=True) - _OUTSIDE_SUPPORT
+    return torch.where(keep, z, floor), inside, d_cap
+
+
 def _spans(n: int, bounds: Optional[list], chunk: int):
     """(start, end, sequence, ends the sequence) spans of at most `chunk` tokens; with sequence bounds they
     never cross a sequence boundary."""
@@ -50,8 +75,8 @@ def _spans(n: int, bounds: Optional[list], chunk: int):
 
 class ChunkedLinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows, hidden, weight, bias, targets, inv_t, cap, ignore_index, chunk, want_entropy, want_p2,
-                cu_seqlens, seq_sq_norm, row_ids, seq_rows):
+    def forward(ctx, rows, hidden, weight, bias, targets, inv_t, cap, truncation, ignore_index, chunk, want_entropy,
+                want_p2, cu_seqlens, seq_sq_norm, row_ids, seq_rows):
         dt = compute_dtype(hidden, weight, bias)
         w, b = weight.to(dt), None if bias is None else bias.to(dt)
         n = hidden.shape[0]
@@ -60,7 +85,12 @@ class ChunkedLinearLogprobs(torch.autograd.Function):
         sum_p2 = hidden.new_empty(n, dtype=dt) if want_p2 else None
         for s, e, _, _ in _spans(n, None, chunk):
             z = _logits(hidden[s:e].to(dt), w, b, inv_t)
-            l, lp, ent, p2 = rows.forward(z, targets[s:e], ignore_index, cap)
+            if truncation is None:
+                l, lp, ent, p2 = rows.forward(z, targets[s:e], ignore_index, cap)
+            else:
+                z, inside, _ = _truncate(z, targets[s:e], ignore_index, cap, truncation, slope=False)
+                l, lp, ent, p2 = rows.forward(z, targets[s:e], ignore_index, None)
+                lp = lp.masked_fill(~inside, -torch.inf)
             lse[s:e], logp[s:e] = l, lp
             if want_entropy:
                 entropy[s:e] = ent
@@ -70,7 +100,7 @@ class ChunkedLinearLogprobs(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, sum_p2)
         # the per-sequence accumulators are written by the backward: kept outside autograd's version checks
         ctx.per_seq = (cu_seqlens, seq_sq_norm, row_ids, seq_rows)
-        ctx.config = (inv_t, cap, ignore_index, chunk)
+        ctx.config = (inv_t, cap, truncation, ignore_index, chunk)
         ctx.mark_non_differentiable(lse)
         return logp, entropy, sum_p2
 
@@ -78,7 +108,7 @@ class ChunkedLinearLogprobs(torch.autograd.Function):
     def backward(ctx, g_logp, g_ent, g_p2):
         hidden, weight, bias, targets, lse, entropy, sum_p2 = ctx.saved_tensors
         cu_seqlens, seq_sq_norm, row_ids, seq_rows = ctx.per_seq
-        inv_t, cap, ignore_index, chunk = ctx.config
+        inv_t, cap, truncation, ignore_index, chunk = ctx.config
         dt = lse.dtype
         w, b = weight.to(dt), None if bias is None else bias.to(dt)
         n = hidden.shape[0]
@@ -96,9 +126,18 @@ class ChunkedLinearLogprobs(torch.autograd.Function):
         for s, e, seq, seq_ends in _spans(n, bounds, chunk):
             h = hidden[s:e].to(dt)
             z = _logits(h, w, b, inv_t)
+            g_chunk = [None if g is None else g[s:e] for g in grads]
+            row_cap, d_cap = cap, None
+            if truncation is not None:
+                z, inside, d_cap = _truncate(z, targets[s:e], ignore_index, cap, truncation, slope=True)
+                row_cap = None
+                if g_chunk[0] is not None:  # a target outside the support: log-prob -inf, no gradient
+                    g_chunk[0] = g_chunk[0].masked_fill(~inside, 0)
             dz = ctx.rows.backward_(
-                z, lse[s:e], targets[s:e], ignore_index, *(None if g is None else g[s:e] for g in grads),
-                None if entropy is None else entropy[s:e], None if sum_p2 is None else sum_p2[s:e], inv_t, cap)
+                z, lse[s:e], targets[s:e], ignore_index, *g_chunk,
+                None if entropy is None else entropy[s:e], None if sum_p2 is None else sum_p2[s:e], inv_t, row_cap)
+            if d_cap is not None:
+                dz.mul_(d_cap)
             if need_h:
                 torch.mm(dz, w, out=d_hidden[s:e])
             db = dz.sum(0) if bias is not None and (need_b or per_seq) else None
@@ -130,16 +169,18 @@ class ChunkedLinearLogprobs(torch.autograd.Function):
         return (None,
                 None if d_hidden is None else d_hidden.to(hidden.dtype),
                 None if d_weight is None else d_weight.to(weight.dtype),
-                None if d_bias is None else d_bias.to(bias.dtype)) + (None,) * 11
+                None if d_bias is None else d_bias.to(bias.dtype)) + (None,) * 12
 
 
 def linear_logprobs(rows: RowPasses, hidden: Tensor, weight: Tensor, targets: Tensor, bias: Optional[Tensor],
-                    temperature: float, softcap: Optional[float], ignore_index: int, chunk_size: int,
-                    return_entropy: bool, return_sum_p2: bool, cu_seqlens: Optional[Tensor],
+                    temperature: float, softcap: Optional[float], truncation: Optional[tuple], ignore_index: int,
+                    chunk_size: int, return_entropy: bool, return_sum_p2: bool, cu_seqlens: Optional[Tensor],
                     seq_grad_sq_norm: Optional[Tensor], seq_grad_row_ids: Optional[Tensor],
                     seq_grad_rows: Optional[Tensor]):
-    """(logp, entropy or None, sum_p2 or None) in the compute dtype, with `rows` the backend's passes."""
+    """(logp, entropy or None, sum_p2 or None) in the compute dtype, with `rows` the backend's passes;
+    `truncation`: (top_k, top_p) of truncated sampling, or None."""
     cap = None if softcap is None else softcap / temperature
-    return ChunkedLinearLogprobs.apply(rows, hidden, weight, bias, targets, 1.0 / temperature, cap, ignore_index,
+    return ChunkedLinearLogprobs.apply(rows, hidden, weight, bias, targets, 1.0 / temperature, cap, truncation,
+                                       ignore_index,
                                        chunk_size, return_entropy, return_sum_p2, cu_seqlens, seq_grad_sq_norm,
                                        seq_grad_row_ids, seq_grad_rows)

@@ -9,6 +9,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .truncation import check_sampling
+
 LOGP_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
@@ -208,6 +210,8 @@ def linear_logprobs_inputs(
     bias: Optional[Tensor],
     temperature,
     softcap,
+    top_k,
+    top_p,
     ignore_index: int,
     chunk_size,
     cu_seqlens,
@@ -236,6 +240,7 @@ def linear_logprobs_inputs(
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
     if softcap is not None and not _finite_positive(softcap):
         raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
+    check_sampling(top_k, top_p)
     if chunk_size is None:
         chunk_size = max(1, (16 << 20) // max(v, 1))
     elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:

@@ -22,6 +22,7 @@ from .inputs import (
     token_batch,
 )
 from .options import SCALAR_FIELDS, PolicyLossOptions
+from .truncation import truncates
 
 
 def _validating(validate: bool) -> bool:
@@ -255,6 +256,8 @@ def linear_logprobs(
     bias: Optional[Tensor] = None,
     temperature: float = 1.0,
     softcap: Optional[float] = None,
+    top_k: int = -1,
+    top_p: float = 1.0,
     ignore_index: int = -100,
     return_entropy: bool = False,
     return_sum_p2: bool = False,
@@ -270,19 +273,22 @@ def linear_logprobs(
     N x V logits (chunks of `chunk_size` tokens; default: 16M logits a chunk). `softcap`: the logits
     hidden @ weight.T + bias are first capped to softcap * tanh(logits / softcap) (Gemma 2/3's
     `final_logit_softcapping`), then divided by the temperature; every output, gradient and per-sequence
-    norm is that of the capped logits. Autograd to hidden, weight and bias from any upstream gradient of
+    norm is that of the capped logits. `top_k`, `top_p` (vLLM's, off: -1 or 0, and 1): every output is that of
+    the distribution truncated to the sampling support and renormalised, a target outside it has log-prob -inf
+    and no gradient (docs/contract.md, "Truncated sampling"). Autograd to hidden, weight and bias from any upstream gradient of
     every output. `seq_grad_sq_norm` ([B], with `cu_seqlens`): the backward adds each sequence's squared norm
     of the weight (and bias) gradient to it. `seq_grad_rows` ([B, K, H], with `seq_grad_row_ids` [B, K] and
     `cu_seqlens`): the backward adds row `seq_grad_row_ids[i, k]` of sequence i's weight gradient to
     `seq_grad_rows[i, k]` (the inner product with a tied embedding's per-sequence gradient needs the rows at its
     input ids). Only the first backward through a call adds to these two; a later one (the loss's, after a
     norm pass) gives the gradients alone."""
-    chunk_size = linear_logprobs_inputs(hidden, weight, targets, bias, temperature, softcap, ignore_index, chunk_size,
-                                        cu_seqlens, seq_grad_sq_norm, seq_grad_row_ids, seq_grad_rows,
-                                        _validating(validate))
+    chunk_size = linear_logprobs_inputs(hidden, weight, targets, bias, temperature, softcap, top_k, top_p,
+                                        ignore_index, chunk_size, cu_seqlens, seq_grad_sq_norm, seq_grad_row_ids,
+                                        seq_grad_rows, _validating(validate))
     kernel = backends.kernel("linear_logprobs", backend, hidden.device)
+    truncation = (top_k, float(top_p)) if truncates(top_k, top_p, weight.shape[0]) else None
     logp, entropy, sum_p2 = kernel(hidden, weight, targets.long(), bias, float(temperature),
-                                   None if softcap is None else float(softcap), ignore_index, chunk_size,
+                                   None if softcap is None else float(softcap), truncation, ignore_index, chunk_size,
                                    return_entropy, return_sum_p2, cu_seqlens, seq_grad_sq_norm, seq_grad_row_ids,
                                    seq_grad_rows)
     return LinearLogprobs(logp, entropy, sum_p2)

@@ -59,7 +59,7 @@ VCPO_INLINE void sequence_sums_one(const TokenView& v, int64_t i, const Sequence
     const acc_t d = keep(prox - load<acc_t>(mu, t), counted);
     s += d;
     len += keep(acc_t(1), counted);
-    k3 += k3_term(d);
+    k3 += d == -kInf<acc_t> ? acc_t(0) : k3_term(d);  // a zero weight (log pi = -inf): left out of the KL
   }
   out.log_weight[i] = s;
   out.length[i] = len;

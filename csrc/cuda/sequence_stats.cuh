@@ -18,7 +18,7 @@ __global__ void sequence_partials_kernel(Tokens t, acc_t* partials) {
       const acc_t d = prox - mu;
       s += d;
       len += 1;
-      k3 += k3_term(d);
+      if (d != -INFINITY) k3 += k3_term(d);  // a zero weight (log pi = -inf): left out of the KL
     }
     return acc_t(0);
   });

@@ -109,6 +109,7 @@ def linear_logprobs_matches(backend: str, device: str, dtype: torch.dtype, **opt
     hidden = torch.randn(300, 64, generator=g, dtype=torch.float64)
     weight = torch.randn(5000, 64, generator=g, dtype=torch.float64) / 8
     targets = torch.randint(0, 5000, (300,), generator=g)
+    targets[::2] = (hidden @ weight.T).argmax(1)[::2]  # inside any top-k / top-p support (random ones mostly not)
     targets[3] = -100
     results = []
     for backend_, device_, dtype_ in (("torch", "cpu", torch.float64), (backend, device, dtype)):
@@ -164,6 +165,15 @@ def test_softcapped_linear_logprobs_rehearsal_on_cpu(backend):
     if backend == "triton":  # ~20 s in the interpreter, for plumbing its unsoftcapped rehearsal already runs
         pytest.skip("the Triton passes with a softcap are tested in test_linear_logprobs.py")
     linear_logprobs_matches(backend, "cpu", torch.float32, **SOFTCAPPED)
+
+
+# top-k and top-p: the support is decided on the device (a sort per chunk), a target outside it is -inf
+TRUNCATED = dict(top_k=200, top_p=0.9, temperature=0.8)
+
+
+@on_gpu
+def test_truncated_linear_logprobs_on_gpu(backend):
+    linear_logprobs_matches(backend, "cuda", torch.float64, **TRUNCATED)
 
 
 @on_gpu

@@ -25,7 +25,9 @@ class FakeEngine(Engine):
     def _poisoned(self, seed: int) -> bool:
         return self.poison is True or (self.poison is not False and seed % self.poison == 0)
 
-    def generate(self, prompts, *, n, max_tokens, temperature, seeds=None, stop_token_ids=()):
+    def generate(self, prompts, *, n, max_tokens, temperature, top_k=-1, top_p=1.0, seeds=None, stop_token_ids=()):
+        if top_k > 0 or top_p < 1:
+            raise NotImplementedError("the fake engine's log-probs are made up: it samples no truncated distribution")
         call, self.calls = self.calls, self.calls + 1
         if self.block_from is not None and call >= self.block_from:
             self.signalled = time.perf_counter()

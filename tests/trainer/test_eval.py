@@ -46,8 +46,9 @@ class ScriptedEngine:
     def __init__(self, greedy, samples):
         self.greedy, self.samples, self.calls = greedy, samples, []
 
-    def generate(self, prompts, *, n, max_tokens, temperature, seeds=None, stop_token_ids=()):
-        self.calls.append({"n": n, "temperature": temperature, "seeds": seeds, "max_tokens": max_tokens})
+    def generate(self, prompts, *, n, max_tokens, temperature, top_k=-1, top_p=1.0, seeds=None, stop_token_ids=()):
+        self.calls.append({"n": n, "temperature": temperature, "top_k": top_k, "top_p": top_p, "seeds": seeds,
+                           "max_tokens": max_tokens})
         script = [[g] for g in self.greedy] if temperature == 0 else self.samples
         assert len(prompts) == len(script) and all(len(s) == n for s in script)
         return [[Completion([int(ch) for ch in text], [0.0] * len(text), "stop") for text in s] for s in script]
@@ -60,7 +61,8 @@ def test_evaluate_against_brute_force_counts():
     engine = ScriptedEngine(greedy, samples)
     rewards = RewardPool("exact", workers=2, timeout=10.0, errors="raise")
     task = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids, skip_special_tokens: "".join(map(str, ids))),
-                           max_new=5, stop_ids=[9], rewards=rewards, temperature=0.7)
+                           max_new=5, stop_ids=[9], rewards=rewards, temperature=0.7,
+                           top_k=20, top_p=0.9)
     problems = [SimpleNamespace(answer=a, example={"answer": a}) for a in answers]
     try:
         result = evaluate(engine, task, [[1], [2], [3]], problems, n=4, seed=100)
@@ -76,9 +78,12 @@ def test_evaluate_against_brute_force_counts():
     for k in (1, 2, 4):
         assert sampled[f"pass@{k}"] == pytest.approx(sum(brute_pass_at_k(c, k) for c in correct) / 3, abs=1e-12)
     assert sampled["mean@4"] == pytest.approx(sum(map(sum, correct)) / 12)
-    assert set(sampled) == {"n", "temperature", "seed", "pass@1", "pass@2", "pass@4", "mean@4"}
+    assert set(sampled) == {"n", "temperature", "top_k", "top_p", "seed", "pass@1", "pass@2", "pass@4", "mean@4"}
+    assert (sampled["top_k"], sampled["top_p"]) == (20, 0.9)
     assert engine.calls[1]["seeds"] == [100, 104, 108]  # prompt i's j-th sample: seed 100 + 4 i + j
     assert engine.calls[0]["temperature"] == 0.0 and engine.calls[1]["temperature"] == 0.7
+    assert (engine.calls[0]["top_k"], engine.calls[0]["top_p"]) == (-1, 1.0)  # greedy: no truncation asked for
+    assert (engine.calls[1]["top_k"], engine.calls[1]["top_p"]) == (20, 0.9)  # the samples: the run's
     assert all(c["max_tokens"] == 5 for c in engine.calls)
 
 

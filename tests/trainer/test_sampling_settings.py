@@ -1,11 +1,13 @@
-"""Sampling settings (docs/trainer.md, "Sampling settings"). At each allowed temperature, right after a weight sync,
-the engine's behaviour log-probs of the sampled tokens and the trainer's (vcpo.step's own forward, with the plain
-and the fused LM head) agree to 1e-4: an in-process engine, and a server of the pool started by LocalServers;
-the whole vcpo.step at a temperature against a float64 loop, and a `vcpo train --temperature` run on-policy at k = 0.
-top_p < 1 and top_k > 0 are refused, and so is a running server whose log-probs come before the temperature."""
+"""Sampling settings (docs/trainer.md, "Sampling settings"). At each temperature and top-k / top-p tested, right
+after a weight sync, the engine's behaviour log-probs of the sampled tokens and the trainer's (vcpo.step's own
+forward, with the plain and the fused LM head) agree to 1e-4: an in-process engine, and a server of the pool
+started by LocalServers; the whole vcpo.step at a temperature and with top-k / top-p against a float64 loop, and a
+`vcpo train --temperature --top-k --top-p` run on-policy at k = 0. Invalid settings are refused, and so is a
+running server whose log-probs come before the temperature and the truncation."""
 
 import asyncio
 import json
+import math
 import os
 import subprocess
 import sys
@@ -14,16 +16,19 @@ import textwrap
 import pytest
 
 from vcpo.trainer.config import make_config
+from vcpo_kernels import truncates as vk_truncates
 
-TEMPERATURES = (1.0, 0.6, 1.5)  # the allowed settings tested: the default, sharper, flatter
+# (temperature, top_k, top_p): the default, sharper, flatter, then top-k, top-p and both
+SAMPLINGS = ((1.0, -1, 1.0), (0.6, -1, 1.0), (1.5, -1, 1.0), (1.0, 8, 1.0), (0.9, -1, 0.8), (1.2, 20, 0.9))
 PROMPT_TEXT = "12+34="
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def trainer_gaps(model, prompt, completions, temperature):
+def trainer_gaps(model, prompt, completions, sampling):
     """The largest |trainer - engine| log-prob over the completions' tokens, with the trainer's log-probs from
-    vcpo.step's forward pass under VCPOConfig(temperature), plain and fused LM head; and the same under
-    temperature 1 (the log-probs before the temperature), to show the check can fail."""
+    vcpo.step's forward pass under VCPOConfig(temperature, top_k, top_p), plain and fused LM head, and how many
+    tokens the trainer's support leaves out; and the same at temperature 1 without truncation (the log-probs
+    before both), to show the check can fail."""
     import torch
 
     from vcpo import VCPOConfig
@@ -37,10 +42,14 @@ def trainer_gaps(model, prompt, completions, temperature):
     batch = RolloutBatch(ids, attn, loss_mask, mu, torch.zeros(len(rollouts)))
     mask = loss_mask[:, 1:] != 0
     gaps = {}
-    for name, t, fused in (("plain", temperature, False), ("fused", temperature, True), ("untempered", 1.0, False)):
-        part = _Pass(model, batch, VCPOConfig(temperature=t, fused_lm_head=fused), norms=False, keep=False,
-                     bookkeeping=False)
-        gaps[name] = (part.logp - mu[:, 1:]).abs()[mask].max().item()
+    t, top_k, top_p = sampling
+    for name, options in (("plain", dict(temperature=t, top_k=top_k, top_p=top_p)),
+                          ("fused", dict(temperature=t, top_k=top_k, top_p=top_p, fused_lm_head=True)),
+                          ("untempered", {})):
+        part = _Pass(model, batch, VCPOConfig(**options), norms=False, keep=False, bookkeeping=False)
+        inside = mask & (part.logp > -torch.inf)
+        gaps[name] = (part.logp - mu[:, 1:]).abs()[inside].max().item()
+        gaps[f"{name}_outside"] = int((mask & ~inside).sum())
     gaps["tokens"] = int(mask.sum())
     return gaps
 
@@ -63,11 +72,13 @@ def stale_and_new_model():
 
 def check_gaps(results):
     print(json.dumps(results))  # the measured gaps, with pytest -s
-    for t, g in results.items():
-        assert g["tokens"] >= 8, (t, g)  # a random model may end a continuation early, not all four
-        assert g["plain"] < 1e-4 and g["fused"] < 1e-4, (t, g)
-        if float(t) != 1.0:  # the log-probs before the temperature are far off: the engine reports the tempered ones
-            assert g["untempered"] > 1e-2, (t, g)
+    for key, g in results.items():
+        assert g["tokens"] >= 8, (key, g)  # a random model may end a continuation early, not all four
+        assert g["plain"] < 1e-4 and g["fused"] < 1e-4, (key, g)
+        # right after a sync a sampled token is outside the trainer's support only at the edge, by rounding
+        assert g["plain_outside"] + g["fused_outside"] <= 1, (key, g)
+        if key != str(SAMPLINGS[0]):  # the log-probs before the temperature and truncation are far off
+            assert g["untempered"] > 1e-2, (key, g)
 
 
 def long_seeded_batch(generate, tok):
@@ -86,11 +97,13 @@ def check_long_batch(tokens, same):
     assert tokens > 4096 and same, (tokens, same)
 
 
-# -- vcpo.step at a temperature ------------------------------------------------------------------------------------
+# -- vcpo.step at a temperature, with and without top-k / top-p ----------------------------------------------------
 @pytest.mark.parametrize("fused", [False, True])
-def test_step_at_a_temperature_against_a_per_sequence_loop(fused):
-    """The whole update at temperature 0.6 (exact per-sequence norms, the loss, the SGD step) against float64
-    log-probs of softmax(logits / 0.6) written out, with one backward per sequence."""
+@pytest.mark.parametrize("t, top_k, top_p, is_level", [(0.6, -1, 1.0, "sequence"), (0.8, 36, 0.95, "token")])
+def test_step_at_a_temperature_against_a_per_sequence_loop(fused, t, top_k, top_p, is_level):
+    """The whole update at a temperature, and with top-k / top-p (exact per-sequence norms, the loss, the SGD step)
+    against float64 log-probs of softmax(logits / T) over the sampling support written out, with one backward per
+    sequence; the batch's random tokens fall outside that support in places (weight 0, no gradient)."""
     import copy
 
     import torch
@@ -99,47 +112,50 @@ def test_step_at_a_temperature_against_a_per_sequence_loop(fused):
     import vcpo_kernels as vk
     from support.tiny_models import rollout_batch, tiny_llama
 
-    t = 0.6
     model = tiny_llama()
     batch = rollout_batch(model)
     reference = copy.deepcopy(model)
-    config = vcpo.VCPOConfig(temperature=t, ess_base_ratio=1.0, grad_clip=None, backend="cpu", fused_lm_head=fused)
+    sampling = dict(temperature=t, top_k=top_k, top_p=top_p)
+    config = vcpo.VCPOConfig(**sampling, is_level=is_level, ess_base_ratio=1.0, grad_clip=None, backend="cpu",
+                             fused_lm_head=fused)
     metrics = vcpo.step(model, torch.optim.SGD(model.parameters(), lr=1e-2), batch, config)
     untempered = vcpo.step(copy.deepcopy(reference), torch.optim.SGD(reference.parameters(), lr=0.0), batch,
-                           vcpo.VCPOConfig(ess_base_ratio=1.0, grad_clip=None, backend="cpu", fused_lm_head=fused))
+                           config.replace(temperature=1.0, top_k=-1, top_p=1.0))
 
     params = list(reference.parameters())
     mask = batch.loss_mask[:, 1:] != 0
     z = reference(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1] / t
-    logp = (z - z.logsumexp(-1, keepdim=True)).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
-    g_sq = torch.stack([sum(g.pow(2).sum() for g in torch.autograd.grad((logp[i] * mask[i]).sum(), params,
+    keep = vk.sampling_support(z, top_k, top_p)  # checked against a loop and vLLM: test_truncated_sampling.py
+    z = z.masked_fill(~keep, -torch.inf)
+    y = batch.input_ids[:, 1:, None]
+    inside = keep.gather(-1, y)[..., 0]
+    logp = torch.where(inside, (z - z.logsumexp(-1, keepdim=True)).gather(-1, y)[..., 0], -torch.inf)
+    counted = torch.where(inside, logp, 0)
+    g_sq = torch.stack([sum(g.pow(2).sum() for g in torch.autograd.grad((counted[i] * mask[i]).sum(), params,
                                                                         retain_graph=True))
                         for i in range(logp.shape[0])])
     leaf = logp.detach().requires_grad_()
     out = vk.policy_loss(leaf, batch.behavior_logp[:, 1:], mask=mask, rewards=batch.rewards,
                          group_index=batch.group_index, grad_sq_norm=g_sq, options=config, backend="torch")
     (dlogp,) = torch.autograd.grad(out.loss, leaf)
-    grads = torch.autograd.grad((logp * dlogp).sum(), params)
+    grads = torch.autograd.grad((counted * dlogp).sum(), params)
     with torch.no_grad():
         for p, g in zip(params, grads):
             p -= 1e-2 * out.lr_scale.item() * g
+    outside = (~inside & mask).sum().item()
+    assert metrics["outside_support_fraction"] == pytest.approx(outside / mask.sum().item(), rel=1e-12)
+    assert (outside > 0) == (top_k > 0)
     assert metrics["grad_sq_norm_mean"] == pytest.approx(g_sq.mean().item(), rel=1e-9)
     assert metrics["loss"] == pytest.approx(out.loss.item(), rel=1e-6)
+    assert metrics["kl_k3"] == pytest.approx(out.kl_k3.item(), rel=1e-6) and math.isfinite(metrics["kl_k3"])
     assert metrics["lr_scale"] == pytest.approx(out.lr_scale.item(), rel=1e-6)
-    assert abs(untempered["grad_sq_norm_mean"] / metrics["grad_sq_norm_mean"] - 1) > 1e-2  # T matters here
+    # the sampling matters: the untempered, untruncated step is another
+    assert max(abs(untempered[k] / metrics[k] - 1) for k in ("grad_sq_norm_mean", "loss")) > 1e-2
     for (name, p), q in zip(model.named_parameters(), params):
         torch.testing.assert_close(p, q, rtol=1e-7, atol=1e-9, msg=lambda m: f"{name}: {m}")
 
 
 # -- refused and invalid settings ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("setting", [{"top_p": 0.9}, {"top_p": 0.999}, {"top_k": 1}, {"top_k": 50}])
-def test_truncated_sampling_is_refused_with_the_reason(setting):
-    (name, value), = setting.items()
-    with pytest.raises(ValueError, match=rf"^{name} {value} is refused: vLLM would sample from the truncated, "
-                                         r"renormalised distribution.*infinite importance weight"):
-        make_config(**setting)
-
-
 @pytest.mark.parametrize("setting, message", [
     ({"temperature": 0}, "temperature must be a finite number > 0, got 0"),
     ({"temperature": -1.0}, "temperature must be a finite number > 0"),
@@ -152,21 +168,30 @@ def test_truncated_sampling_is_refused_with_the_reason(setting):
     ({"top_k": -2}, "top_k must be an integer >= -1"),
     ({"top_k": 2.5}, "top_k must be an integer >= -1"),
     ({"vcpo": {"temperature": 0.5}}, "vcpo.temperature follows the sampling setting: set temperature instead"),
+    ({"vcpo": {"top_k": 5}}, "vcpo.top_k follows the sampling setting: set top_k instead"),
+    ({"vcpo": {"top_p": 0.5}}, "vcpo.top_p follows the sampling setting: set top_p instead"),
 ])
 def test_bad_sampling_settings_name_the_setting(setting, message):
     with pytest.raises(ValueError, match=message):
         make_config(**setting)
 
 
-def test_allowed_settings_reach_the_trainers_log_probs(capsys):
-    for off in ({}, {"top_p": 1.0}, {"top_p": 1}, {"top_k": -1}, {"top_k": 0}):
-        assert make_config(**off).vcpo_config().temperature == 1.0
-    cfg = make_config(temperature=0.7)
-    assert cfg.vcpo_config().temperature == 0.7 and cfg.to_dict()["temperature"] == 0.7  # in config.json
+def test_settings_reach_the_trainers_log_probs(capsys):
     from vcpo.trainer.cli import main
 
-    assert main(["train", "--top-k", "20"]) == 2
-    assert "vcpo train: error: top_k 20 is refused" in capsys.readouterr().err
+    for off in ({}, {"top_p": 1.0}, {"top_p": 1}, {"top_k": -1}, {"top_k": 0}):
+        options = make_config(**off).vcpo_config()
+        assert options.temperature == 1.0 and not vk_truncates(options.top_k, options.top_p)
+    cfg = make_config(temperature=0.7, top_k=20, top_p=0.9)
+    options = cfg.vcpo_config()
+    assert (options.temperature, options.top_k, options.top_p) == (0.7, 20, 0.9)
+    assert {k: cfg.to_dict()[k] for k in ("temperature", "top_k", "top_p")} == {  # in config.json
+        "temperature": 0.7, "top_k": 20, "top_p": 0.9}
+    # the flags parse and reach the settings: the run is refused for another setting, then for top_p itself
+    assert main(["train", "--top-k", "20", "--top-p", "0.9", "--max-staleness", "-1"]) == 2
+    assert "vcpo train: error: max_staleness must be an integer >= 0" in capsys.readouterr().err
+    assert main(["train", "--top-k", "20", "--top-p", "1.5"]) == 2
+    assert "vcpo train: error: top_p must be a number in (0, 1]" in capsys.readouterr().err
 
 
 # -- a running server's log-prob mode ------------------------------------------------------------------------------
@@ -200,7 +225,7 @@ def test_a_server_must_report_the_log_probs_after_the_temperature(answer, refuse
 INPROCESS = textwrap.dedent("""
     import json, sys
     sys.path.insert(0, sys.argv[2])
-    from test_sampling_settings import PROMPT_TEXT, TEMPERATURES, long_seeded_batch, stale_and_new_model, trainer_gaps
+    from test_sampling_settings import PROMPT_TEXT, SAMPLINGS, long_seeded_batch, stale_and_new_model, trainer_gaps
     from vcpo.trainer import tiny
     from vcpo.trainer.engines.rollout_engine import RolloutEngine
     folder = sys.argv[1]
@@ -210,9 +235,9 @@ INPROCESS = textwrap.dedent("""
     engine.load_weights({k: v.clone() for k, v in new.state_dict().items()}, 1)
     prompt = [tiny.BOS] + tok.encode(PROMPT_TEXT)
     results = {}
-    for t in TEMPERATURES:  # one engine: the temperature is a per-request setting
-        completions = engine.generate([prompt], n=4, max_tokens=12, temperature=t, seeds=[7])[0]
-        results[t] = trainer_gaps(new, prompt, completions, t)
+    for t, k, p in SAMPLINGS:  # one engine: the sampling settings are per request
+        completions = engine.generate([prompt], n=4, max_tokens=12, temperature=t, top_k=k, top_p=p, seeds=[7])[0]
+        results[str((t, k, p))] = trainer_gaps(new, prompt, completions, (t, k, p))
     print(json.dumps({"gaps": results, "long_batch": long_seeded_batch(engine.generate, tok)}))
     engine.close()
 """)
@@ -233,9 +258,9 @@ def test_inprocess_engine_and_trainer_agree_after_a_sync(tmp_path):
 
 @pytest.mark.slow
 def test_server_engine_and_trainer_agree_after_a_sync(tmp_path):
-    """A server started by LocalServers passes the pool's check at a temperature other than 1 (it reports the
-    processed log-probs) and, after a sync, its log-probs are the trainer's at each temperature; a seeded batch
-    longer than a step's token budget is sampled, the same twice."""
+    """A server started by LocalServers passes the pool's check at a temperature other than 1 and with top-k / top-p
+    (it reports the processed log-probs) and, after a sync, its log-probs are the trainer's at each sampling setting;
+    a seeded batch longer than a step's token budget is sampled, the same twice."""
     pytest.importorskip("vllm")
     from vcpo.trainer import tiny
     from vcpo.trainer.engines.pool import ServerPool
@@ -251,12 +276,12 @@ def test_server_engine_and_trainer_agree_after_a_sync(tmp_path):
         urls = servers.start()
         pool = ServerPool(urls, weights_dir=str(tmp_path / "weights"))
         prompt = [tiny.BOS] + tok.encode(PROMPT_TEXT)
-        pool.check(setting="engine_servers", probe_text=PROMPT_TEXT, max_model_len=64, temperature=0.6,
-                   probe_ids=tok.encode(PROMPT_TEXT, add_special_tokens=False))
+        pool.check(setting="engine_servers", probe_text=PROMPT_TEXT, max_model_len=64, temperature=0.6, top_k=8,
+                   top_p=0.9, probe_ids=tok.encode(PROMPT_TEXT, add_special_tokens=False))
         pool.load_weights(new.state_dict(), 1)
-        results = {t: trainer_gaps(new, prompt, pool.generate([prompt], n=4, max_tokens=12, temperature=t,
-                                                              seeds=[7])[0], t)
-                   for t in TEMPERATURES}
+        results = {str((t, k, p)): trainer_gaps(new, prompt, pool.generate([prompt], n=4, max_tokens=12, temperature=t,
+                                                                          top_k=k, top_p=p, seeds=[7])[0], (t, k, p))
+                   for t, k, p in SAMPLINGS}
         long_batch = long_seeded_batch(pool.generate, tok)
     finally:
         if pool is not None:
@@ -268,10 +293,11 @@ def test_server_engine_and_trainer_agree_after_a_sync(tmp_path):
 
 @pytest.mark.slow
 def test_a_run_at_a_temperature_is_on_policy_at_k0(tmp_path):
-    """`vcpo train --temperature 0.6 --max-staleness 0` on a random model: each batch is sampled with the weights
-    the trainer then steps from, so the engine's log-probs and the trainer's (its step at 0.6) agree: every step's
-    k3 KL is ~0 and its importance weights 1 (with the log-probs before the temperature, the tokens' log-probs
-    differ by about 1: test_inprocess_engine_and_trainer_agree_after_a_sync)."""
+    """`vcpo train --temperature 0.6 --top-k 20 --top-p 0.9 --max-staleness 0` on a random model: each batch is
+    sampled with the weights the trainer then steps from, so the engine's log-probs and the trainer's (its step at
+    0.6 over the same support) agree: every step's k3 KL is ~0, its importance weights 1 and no sampled token
+    outside the trainer's support (with the log-probs before the temperature, the tokens' log-probs differ by about
+    1: test_inprocess_engine_and_trainer_agree_after_a_sync)."""
     pytest.importorskip("vllm")
     tok, _, model = stale_and_new_model()
     model.save_pretrained(tmp_path / "model")
@@ -281,7 +307,8 @@ def test_a_run_at_a_temperature_is_on_policy_at_k0(tmp_path):
     folder = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "vcpo.trainer.cli", "train", "--model", str(tmp_path / "model"), "--data", str(data),
-         "--engine", "inprocess", "--temperature", "0.6", "--max-staleness", "0", "--steps", "3",
+         "--engine", "inprocess", "--temperature", "0.6", "--top-k", "20", "--top-p", "0.9", "--max-staleness", "0",
+         "--steps", "3",
          "--prompts-per-step", "2", "--responses-per-prompt", "4", "--max-new-tokens", "8", "--eval-size", "2",
          "--lr", "1e-3", "--output-dir", str(folder), "--no-progress"],
         capture_output=True, text=True, timeout=600)
@@ -290,5 +317,7 @@ def test_a_run_at_a_temperature_is_on_policy_at_k0(tmp_path):
     assert [r["lag"] for r in rows] == [0, 0, 0]
     for r in rows:
         assert abs(r["kl_k3"]) < 1e-7 and abs(r["mean_is_coef"] - 1) < 1e-4 and r["ess_ratio"] > 1 - 1e-6, r
+        assert r["outside_support_fraction"] == 0, r
     config = json.load(open(folder / "config.json"))
-    assert config["settings"]["temperature"] == 0.6 and config["vcpo"]["temperature"] == 0.6
+    for name, value in (("temperature", 0.6), ("top_k", 20), ("top_p", 0.9)):
+        assert config["settings"][name] == value and config["vcpo"][name] == value, name

@@ -40,13 +40,8 @@ ENGINE_MODES = ("process", "inprocess", "server")  # the `engine` setting; engin
 DTYPES = ("float32", "bfloat16", "float16")  # the `dtype` setting: the engine's
 WEIGHT_SWAPS = ("wait", "keep", "abort")
 WEIGHT_TRANSFERS = ("storage", "nccl")  # docs/scale.md, "Weight transfer over NCCL"
-SAMPLING_REFUSED = (
-    "vLLM would sample from the truncated, renormalised distribution, so the trainer's log-probs would have to be "
-    "of that same distribution, whose token set comes from sorting the logits: the trainer's forward does not "
-    "round as the engine's does, so a token at the edge of the set can be in one and not the other (log-prob "
-    "-inf, an infinite importance weight), and the fused LM head never forms the logits the sort needs. Use "
-    "temperature < 1 to sharpen the sampling (docs/trainer.md, \"Sampling settings\")")
-
+# the sampling settings that are also VCPOConfig fields: the trainer sets those from these, never apart
+SAMPLING_OPTIONS = ("temperature", "top_k", "top_p")
 
 # the settings' groups, in the order of `vcpo train --help` and of the settings table
 DATA, RUN, SAMPLING, UPDATE, BOOKKEEPING, ENGINE, SERVER, RANKS, LORA = (
@@ -125,22 +120,12 @@ def _is_model(folder_or_file: str) -> bool:
     return os.path.isdir(folder_or_file) or is_gguf(folder_or_file)
 
 
-def _untruncated(valid: Check, truncates: Callable[[Any], bool]) -> Check:
-    """A sampling setting: `valid`, and refused with the reason where it truncates the sampled distribution."""
-
-    def check(value: Any, name: str) -> None:
-        valid(value, name)
-        if truncates(value):
-            raise ValueError(f"{name} {value!r} is refused: {SAMPLING_REFUSED}")
-
-    return check
-
-
 def _loss_options(value: Any, name: str) -> None:
     if not isinstance(value, dict):
         raise ValueError(f"{name} must be a mapping of VCPO loss options, got {value!r}")
-    if "temperature" in value:
-        raise ValueError(f"{name}.temperature follows the sampling setting: set temperature instead")
+    for sampling in SAMPLING_OPTIONS:
+        if sampling in value:
+            raise ValueError(f"{name}.{sampling} follows the sampling setting: set {sampling} instead")
 
 
 def _ray_address(value: Any, name: str) -> None:
@@ -234,10 +219,12 @@ class TrainConfig:
     temperature: float = setting(1.0, group=SAMPLING,
         help="sampling temperature of the rollouts and of vcpo eval's samples; the trainer's log-probs are taken at it "
              "(the evaluation's greedy decoding is unchanged)")
-    top_p: float = setting(1.0, group=SAMPLING, check=_untruncated(number(above=0, at_most=1), lambda p: p < 1),
-        help="nucleus sampling: only 1 (off); less is refused (docs/trainer.md, Sampling settings)")
-    top_k: int = setting(-1, group=SAMPLING, check=_untruncated(integer(-1), lambda k: k > 0),
-        help="top-k sampling: only -1 or 0 (off); more is refused (docs/trainer.md, Sampling settings)")
+    top_p: float = setting(1.0, group=SAMPLING, check=number(above=0, at_most=1),
+        help="nucleus sampling of the rollouts and of vcpo eval's samples (1: off); the trainer's log-probs are of the "
+             "same truncated distribution (docs/trainer.md, Sampling settings)")
+    top_k: int = setting(-1, group=SAMPLING, check=integer(-1),
+        help="top-k sampling of the rollouts and of vcpo eval's samples (-1 or 0: off); the trainer's log-probs are of "
+             "the same truncated distribution")
     loss: str = setting("vcpo", group=UPDATE, check=one_of(LOSS_PRESETS),
         help=f"update rule: {', '.join(LOSS_PRESETS)}")
     ess_scaling: Optional[bool] = setting(None, group=UPDATE, check=boolean,
@@ -334,7 +321,8 @@ class TrainConfig:
             options.update({"advantage": "opob", "grad_norms": "exact"} if self.opob
                            else {"advantage": "grpo", "grad_norms": "uniform"})
         options.update(self.vcpo)
-        options["temperature"] = self.temperature  # the step's log-probs are of the distribution sampled from
+        # the step's log-probs are of the distribution sampled from
+        options.update({name: getattr(self, name) for name in SAMPLING_OPTIONS})
         try:
             return VCPOConfig(**options)
         except TypeError as e:  # an unknown field name

@@ -61,6 +61,7 @@ def evaluate(engine, task, prompts: Sequence[Sequence[int]], problems: Sequence,
                                      for p, t, r in zip(problems[:SAMPLES], texts, rewards)]}}
     if n > 0:
         outs = engine.generate(prompts, n=n, max_tokens=task.max_new, temperature=task.temperature,
+                               top_k=task.top_k, top_p=task.top_p,
                                seeds=[seed + i * n for i in range(len(prompts))], stop_token_ids=task.stop_ids)
         samples = [(i, j, decode(c.token_ids, skip_special_tokens=True))
                    for i, completions in enumerate(outs) for j, c in enumerate(completions)]
@@ -69,7 +70,8 @@ def evaluate(engine, task, prompts: Sequence[Sequence[int]], problems: Sequence,
         correct = [0] * len(prompts)
         for (i, _, _), r in zip(samples, rewards):
             correct[i] += r >= CORRECT_REWARD
-        result["sampled"] = {"n": n, "temperature": task.temperature, "seed": seed,
+        result["sampled"] = {"n": n, "temperature": task.temperature, "top_k": task.top_k, "top_p": task.top_p,
+                             "seed": seed,
                              **{f"pass@{k}": sum(pass_at_k(n, c, k) for c in correct) / len(correct)
                                 for k in reported_ks(n)},
                              f"mean@{n}": sum(rewards) / len(rewards)}

@@ -51,7 +51,8 @@ class Task:
     def __init__(self, cfg: TrainConfig, problems: Problems, tokenizer, model_dir: str, model_config) -> None:
         self.problems, self.tokenizer, self.builtin = problems, tokenizer, cfg.builtin
         self.seed, self.groups, self.group_size = cfg.seed, cfg.prompts_per_step, cfg.responses_per_prompt
-        self.temperature = cfg.temperature  # of the rollouts and of the evaluation's samples
+        # of the rollouts and of the evaluation's samples
+        self.temperature, self.top_k, self.top_p = cfg.temperature, cfg.top_k, cfg.top_p
         self.stop_ids = _stop_ids(tokenizer, model_dir)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.stop_ids or [0])[0]
         # the prompts rendered and tokenized once: the engine gets these ids, and the trainer trains on them
@@ -80,7 +81,7 @@ class Task:
         idx = self.stream.batch(index, self.groups)
         # the engine reports the log-probs after the temperature, as the trainer takes them (vcpo_config)
         outs = engine.generate([self.train_prompts[i] for i in idx], n=self.group_size, max_tokens=self.max_new,
-                               temperature=self.temperature,
+                               temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                                seeds=[_request_seed(self.seed, index, pos) for pos in range(len(idx))],
                                stop_token_ids=self.stop_ids)
         samples = [(i, r, c, self.tokenizer.decode(c.token_ids, skip_special_tokens=True))

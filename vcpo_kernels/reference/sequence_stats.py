@@ -25,5 +25,5 @@ def sequence_stats(tokens: TokenBatch):
     b = tokens.num_seqs
     s = segment_sum(delta, ids, b)
     length = segment_sum(counted.to(delta.dtype), ids, b)
-    k3 = segment_sum(torch.expm1(delta) - delta, ids, b)
+    k3 = segment_sum(torch.where(delta == -torch.inf, 0, torch.expm1(delta) - delta), ids, b)  # -inf: weight 0
     return s, length, k3

@@ -30,7 +30,7 @@ def _partials(lp_ptr, mu_ptr, old_ptr, mask_ptr, cu_ptr, chunk_end_ptr, part_ptr
             d = tl.where(counted, prox - tl.load(mu_ptr + t, mask=counted, other=0.0).to(acc_t), 0.0)
             s += d
             length += counted.to(acc_t)
-            k3 += k3_term(d)
+            k3 += tl.where(d == -float("inf"), 0.0, k3_term(d))  # a zero weight (log pi = -inf): left out
         tl.store(part_ptr + pid * 3, tl.sum(s, 0))
         tl.store(part_ptr + pid * 3 + 1, tl.sum(length, 0))
         tl.store(part_ptr + pid * 3 + 2, tl.sum(k3, 0))

@@ -45,9 +45,11 @@ class Engine(ABC):
 
     @abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], *, n: int, max_tokens: int, temperature: float,
-                 seeds: Optional[Sequence[int]] = None, stop_token_ids: Sequence[int] = ()) -> list[list[Completion]]:
+                 top_k: int = -1, top_p: float = 1.0, seeds: Optional[Sequence[int]] = None,
+                 stop_token_ids: Sequence[int] = ()) -> list[list[Completion]]:
         """n completions of each prompt (token ids). `seeds[i]` makes prompt i's completions reproducible (the
-        j-th seeded with seeds[i] + j). temperature 0 is greedy."""
+        j-th seeded with seeds[i] + j). temperature 0 is greedy; top_k and top_p are vLLM's (off: -1 or 0, and 1),
+        and the log-probs are those of the truncated distribution."""
 
     @abstractmethod
     def load_weights(self, state: dict, version: int) -> None:

@@ -27,6 +27,8 @@ from typing import Callable, Optional, Sequence
 import httpx
 import torch
 
+from vcpo_kernels.truncation import truncates
+
 from ..config import WEIGHT_SWAPS, WEIGHT_TRANSFERS
 from ..errors import EngineUnavailable, WeightSyncError
 from .interface import LOGPROBS_MODE, Completion, Engine, TransferError, unique_tensors
@@ -68,9 +70,9 @@ async def check_logprobs_mode(client: httpx.AsyncClient, url: str, setting: str)
         raise ValueError(f"{setting}: {url} does not report its logprobs_mode at /server_info ({type(e).__name__}: "
                          f"{e})") from None
     if mode != LOGPROBS_MODE:
-        raise ValueError(f"{setting}: {url} reports {mode} (log-probs before the temperature), but with temperature "
-                         f"!= 1 the behaviour log-probs must be of the distribution sampled from: start it with "
-                         f"--logprobs-mode {LOGPROBS_MODE}")
+        raise ValueError(f"{setting}: {url} reports {mode} (log-probs before the temperature and top-k / top-p), but "
+                         f"with temperature != 1 or top-k / top-p the behaviour log-probs must be of the distribution "
+                         f"sampled from: start it with --logprobs-mode {LOGPROBS_MODE}")
 
 
 class _Failed(Exception):
@@ -151,13 +153,14 @@ class ServerPool(Engine):
 
     # -- start-up checks ------------------------------------------------------------------------------------------
     def check(self, *, setting: str, probe_text: str, probe_ids: list[int], max_model_len: int,
-              temperature: float = 1.0) -> None:
+              temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0) -> None:
         """Each server is reachable (within seconds), serves a model with the trainer's tokenizer and a long
         enough context, has the endpoints the pool needs (with weight_transfer nccl: vLLM's NCCL engine, whose
-        groups are then set up) and, to sample at a temperature other than 1, reports the log-probs after it;
-        else ValueError naming `setting` and the URL."""
+        groups are then set up) and, to sample at a temperature other than 1 or with top-k / top-p, reports the
+        log-probs after them; else ValueError naming `setting` and the URL."""
         self._call(_all(*(self._check(s, setting, probe_text, probe_ids, max_model_len) for s in self.servers)))
-        if temperature != 1:  # at 1 vLLM's raw and processed log-probs are the same numbers
+        # untempered and untruncated, vLLM's raw and processed log-probs are the same numbers
+        if temperature != 1 or truncates(top_k, top_p):
             self._call(_all(*(check_logprobs_mode(s.client, s.url, setting) for s in self.servers)))
         if self._nccl is not None:
             self._call(self._nccl.connect(self.urls, setting, self._healthy_url))
@@ -193,11 +196,13 @@ class ServerPool(Engine):
 
     # -- generation -------------------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], *, n: int, max_tokens: int, temperature: float,
-                 seeds: Optional[Sequence[int]] = None, stop_token_ids: Sequence[int] = ()) -> list[list[Completion]]:
+                 top_k: int = -1, top_p: float = 1.0, seeds: Optional[Sequence[int]] = None,
+                 stop_token_ids: Sequence[int] = ()) -> list[list[Completion]]:
         """n completions of each prompt (token ids), as RolloutEngine.generate, each with the versions of its
         tokens and the URL of the server that made it."""
         bodies = [{"token_ids": list(p),
-                   "sampling_params": {"n": n, "temperature": temperature, "max_tokens": max_tokens, "logprobs": 0,
+                   "sampling_params": {"n": n, "temperature": temperature, "top_k": top_k, "top_p": top_p,
+                                       "max_tokens": max_tokens, "logprobs": 0,
                                        "seed": None if seeds is None else int(seeds[i]),
                                        "stop_token_ids": list(stop_token_ids), "detokenize": False}}
                   for i, p in enumerate(prompts)]

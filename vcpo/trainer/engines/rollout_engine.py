@@ -72,13 +72,15 @@ class RolloutEngine(Engine):
                        **lora_options)
 
     def generate(self, prompts: Sequence[Sequence[int]], *, n: int, max_tokens: int, temperature: float,
-                 seeds: Optional[Sequence[int]] = None, stop_token_ids: Sequence[int] = ()) -> list[list[Completion]]:
+                 top_k: int = -1, top_p: float = 1.0, seeds: Optional[Sequence[int]] = None,
+                 stop_token_ids: Sequence[int] = ()) -> list[list[Completion]]:
         """n completions of each prompt (token ids). `seeds[i]` makes prompt i's completions reproducible
         (vLLM seeds its j-th completion with seeds[i] + j). temperature 0 is greedy."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = [SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, logprobs=0,
+        params = [SamplingParams(n=n, temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens,
+                                 logprobs=0,
                                  seed=None if seeds is None else int(seeds[i]),
                                  stop_token_ids=list(stop_token_ids), detokenize=False)
                   for i in range(len(prompts))]

@@ -103,7 +103,7 @@ def _start_server_pool(cfg: TrainConfig, *, model_dir: str, max_len: int, run_di
     setting = "engine_servers" if servers else "engine_urls"
     try:
         pool.check(setting=setting, probe_text=probe, probe_ids=probe_ids, max_model_len=max_len,
-                   temperature=cfg.temperature)
+                   temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
         try:
             pool.load_weights(weights, version)
         except WeightSyncError as e:
