@@ -32,7 +32,8 @@ def _build(rank: int, world: int, every_rank_reads: bool, folder: str, init: str
     with open("/proc/self/clear_refs", "w") as f:  # VmHWM from here: the build's peak, not the imports'
         f.write("5")
     before = status_mib("VmRSS")
-    model = FullModel().load(folder) if rank == 0 or every_rank_reads else FullModel().skeleton(folder)
+    full = FullModel(torch.float32)
+    model = full.load(folder) if rank == 0 or every_rank_reads else full.skeleton(folder)
     if world > 1:
         Sharded(model, types.SimpleNamespace(main=rank == 0, device=torch.device("cpu"), world=world,
                                              group=dist.group.WORLD))

@@ -37,6 +37,9 @@ class VCPOConfig(PolicyLossOptions):
     # "Truncated sampling"); a sampled token outside it has log-prob -inf, an importance weight of 0.
     top_k: int = -1
     top_p: float = 1.0
+    # Mixed precision: the model's forward under torch.autocast in this dtype ("bfloat16" or "float16") over its
+    # own (fp32) parameters; None: the parameters' dtype. The log-probs, exact norms and loss accumulate in fp32.
+    autocast: Optional[str] = None
     # The lr scale of each step taken: 0 (the paper's), the batch's own; beta in (0, 1), the moving average, weight
     # beta, of the batch scales of the steps taken so far, bias-corrected (vcpo.lr.smoothed_lr_scale).
     lr_scale_ema: float = 0.0
@@ -61,11 +64,14 @@ class VCPOConfig(PolicyLossOptions):
                 not 0 < self.temperature < float("inf"):
             raise ValueError(f"temperature must be a finite number > 0, got {self.temperature!r}")
         check_sampling(self.top_k, self.top_p)
+        if self.autocast not in AUTOCAST_DTYPES:
+            raise ValueError(f"autocast must be one of {list(AUTOCAST_DTYPES)}, got {self.autocast!r}")
         if isinstance(self.lr_scale_ema, bool) or not isinstance(self.lr_scale_ema, (int, float)) or \
                 not 0 <= self.lr_scale_ema < 1:
             raise ValueError(f"lr_scale_ema must be a number in [0, 1), got {self.lr_scale_ema!r}")
 
 
+AUTOCAST_DTYPES = (None, "bfloat16", "float16")  # VCPOConfig.autocast
 # exact: ||grad_theta sum_t log pi(y_it)||^2 over all trainable parameters, from one batched backward (a model
 # with a module it cannot handle exactly is refused: vcpo.grad_norms.UnsupportedModuleError); auto: exact where the model
 # is supported, else lm_head with one warning naming the module; lm_head: the same over the output layer's

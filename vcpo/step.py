@@ -109,6 +109,14 @@ def _fused_head_parts(model: nn.Module):
     return body, head, embedding, getattr(text, "final_logit_softcapping", None)
 
 
+def _autocast(config: VCPOConfig, device: torch.device):
+    """The model's forward in config.autocast's precision over its own parameters (mixed precision), or as it is;
+    the log-probs, the norms and the loss are formed in fp32 after it (docs/grad_norms.md, "Precision")."""
+    if config.autocast is None:
+        return nullcontext()
+    return torch.autocast(device.type, dtype=getattr(torch, config.autocast))
+
+
 def _bookkeeping_exact(config: VCPOConfig, batch: RolloutBatch) -> bool:
     """Book-keeping needs d loss / d log pi constant within each sequence: the ratio r must be 1 (bypass
     mode) and the IS coefficient per sequence (not per token, nor a token-level rejection criterion)."""
@@ -285,7 +293,8 @@ class _Pass:
             if self.fused is not None:
                 logp = self.fused.logp(self.psg, detach_body=record and not keep and self.psg is None)
             else:
-                logits = model(input_ids=ids, attention_mask=mb.attention_mask, **_model_kwargs(model)).logits
+                with _autocast(config, ids.device):
+                    logits = model(input_ids=ids, attention_mask=mb.attention_mask, **_model_kwargs(model)).logits
                 logp = token_logp(logits[:, :-1], ids[:, 1:], config.temperature, config.top_k, config.top_p)
                 del logits
             if record:
@@ -493,7 +502,7 @@ class _FusedHead:
         """`detach_body`: the hidden states as a leaf (only the head's norms are backpropagated: to them)."""
         ids = self.batch.input_ids
         b, t = ids.shape
-        with torch.no_grad() if detach_body else nullcontext():
+        with torch.no_grad() if detach_body else nullcontext(), _autocast(self.config, ids.device):
             self.hidden = self.body(input_ids=ids, attention_mask=self.batch.attention_mask,
                                     **_model_kwargs(self.body)).last_hidden_state
         if detach_body:

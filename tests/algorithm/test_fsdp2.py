@@ -23,6 +23,7 @@ MODELS = ("llama", "llama-tied", "qwen2")
 # (tied Llama only), whose groups span the ranks: a second forward and backward per micro-batch through FSDP2
 STEPS = {"bookkeeping": ("bookkeeping", None), "two_pass": ("two_pass", None), "micro": ("auto", 2)}
 CASES = [(n, s) for n in MODELS for s in STEPS if n == "llama-tied" or s != "micro"]
+MIXED = ("bookkeeping", "two_pass")  # the steps run in bf16-mixed too
 LENGTHS = [8, 6, 7, 5, 8, 8, 4, 7]  # rank 0 holds rows 0-3, rank 1 rows 4-7: unequal token counts
 
 
@@ -64,11 +65,12 @@ def _norms(model, batch):
     return psg.sq_norms()
 
 
-def _steps(model, batch, step, group=None, gather=lambda m: {k: v.detach().clone() for k, v in m.state_dict().items()}):
+def _steps(model, batch, step, group=None, gather=lambda m: {k: v.detach().clone() for k, v in m.state_dict().items()},
+           autocast=None):
     """Two ESS-scaled AdamW steps (the second one uses the optimizer state of the first): metrics and parameters
     after each."""
     assembly, micro = STEPS[step]
-    config = vcpo.VCPOConfig(grad_clip=0.05, assembly=assembly, micro_batch_size=micro)
+    config = vcpo.VCPOConfig(grad_clip=0.05, assembly=assembly, micro_batch_size=micro, autocast=autocast)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     out = []
     for _ in range(2):
@@ -83,6 +85,17 @@ def _shard(model, mesh):
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    return model
+
+
+def _trainer_shard(model, compute_dtype):
+    """The trainer's own sharding (vcpo.trainer.placement.fsdp.shard), with its mixed precision."""
+    from vcpo.trainer.placement.fsdp import shard
+
+    shard(model, SimpleNamespace(device=torch.device("cpu"), world=WORLD), compute_dtype)
+    model.seen_dtypes = set()  # the dtype of a layer's weight as its forward sees it: the gathered unit's
+    q_proj = model.model.layers[0].self_attn.q_proj
+    q_proj.register_forward_pre_hook(lambda module, args: model.seen_dtypes.add(module.weight.dtype))
     return model
 
 
@@ -115,6 +128,11 @@ def _on_rank(rank):
         for step in (s for n, s in CASES if n == name):
             results[name, step] = _steps(_shard(_model(name), mesh), local, step, dist.group.WORLD,
                                          gather=lambda m: get_model_state_dict(m, options=full))
+    for step in MIXED:  # bf16-mixed: FSDP2's bf16 units under the step's autocast
+        model = _trainer_shard(_model("llama-tied"), "bfloat16")
+        results["mixed", step] = _steps(model, local, step, dist.group.WORLD,
+                                        gather=lambda m: get_model_state_dict(m, options=full), autocast="bfloat16")
+        results["mixed dtypes", step] = model.seen_dtypes
     results["optimizer"] = _optimizer_round_trip(mesh, local, SimpleNamespace(main=rank == 0))
     errors = []
     model = _shard(_model("llama"), mesh)
@@ -154,6 +172,26 @@ def test_sharded_step_equals_the_one_process_step(ranks, name, step):
         assert params.keys() == want.keys()
         for key, value in want.items():
             torch.testing.assert_close(params[key], value, rtol=0, atol=1e-6, msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("step", MIXED)
+def test_a_bf16_mixed_sharded_step_equals_the_float64_step_to_bf16_accuracy(ranks, step):
+    """FSDP2's MixedPrecisionPolicy (bf16 units, fp32 reductions) with the step's autocast, the exact norms over the
+    bf16 units: the two steps of one float64 process within bf16's accuracy; the shards stay fp32."""
+    whole = _steps(_model("llama-tied").double(), _batch(), step)
+    before = _model("llama-tied").state_dict()
+    for i, (want_metrics, want) in enumerate(whole):
+        metrics, params = ranks[0]["mixed", step][i]
+        for key in ("ess_ratio", "lr_scale", "grad_norm", "grad_sq_norm_mean", "loss"):
+            assert metrics[key] == pytest.approx(want_metrics[key], rel=2e-2), key
+        assert all(params[key].dtype == torch.float32 for key in want)
+        assert ranks[0]["mixed dtypes", step] == {torch.bfloat16}  # the units are gathered in bf16
+        # AdamW's m / sqrt(v) turns bf16 noise on a tiny gradient into a whole step, so the update is compared as a
+        # whole (measured: 10% off float64 here, 6% for one process's autocast alone; fp32: 1e-5)
+        moved, want_moved = (torch.cat([(p[k].double() - before[k].double()).reshape(-1) for k in want])
+                             for p in (params, want))
+        assert torch.linalg.vector_norm(moved - want_moved) <= 0.15 * torch.linalg.vector_norm(want_moved)
 
 
 @pytest.mark.slow

@@ -13,7 +13,8 @@ in the faults FAULTS_JSON names (its keys, each optional):
   (RLIMIT_FSIZE; SIGXFSZ ignored), so the real writers of the checkpoint (safetensors, torch.save) fail with
   EFBIG, as they would on a full disk with ENOSPC (the logs of this short run stay smaller);
 - "kill_server_mid_sync": {"version": V, "run_dir": RUN}: the sync of version V SIGKILLs the pool's first server
-  (its process group, from RUN/servers/servers.json) after pausing it and before it reloads the weights."""
+  (its process group, from RUN/servers/servers.json) after pausing it and before it reloads the weights (with LoRA:
+  before it loads the adapter)."""
 
 import json
 import os
@@ -79,8 +80,14 @@ def disk_full_at_step(step: int) -> None:
 def kill_server_mid_sync(version: int, run_dir: str) -> None:
     from vcpo.trainer.engines.pool import ServerPool
 
-    reload, take_weights = ServerPool._reload, ServerPool._take_weights
+    reload, take_weights, load_adapter = ServerPool._reload, ServerPool._take_weights, ServerPool._load_adapter
     syncing = {}
+
+    def kill(s):
+        servers = json.load(open(os.path.join(run_dir, "servers", "servers.json")))
+        pid = next(x["pid"] for x in servers if x["url"] == s.url)
+        print(f"faulty_train: SIGKILL to server {s.url} (pid {pid}) during the sync of version {version}", flush=True)
+        os.killpg(pid, signal.SIGKILL)
 
     async def _reload(self, s, v):
         syncing[s.url] = v
@@ -88,14 +95,15 @@ def kill_server_mid_sync(version: int, run_dir: str) -> None:
 
     async def _take_weights(self, s):
         if syncing.get(s.url) == version and s is self.servers[0]:
-            servers = json.load(open(os.path.join(run_dir, "servers", "servers.json")))
-            pid = next(x["pid"] for x in servers if x["url"] == s.url)
-            print(f"faulty_train: SIGKILL to server {s.url} (pid {pid}) during the sync of version {version}",
-                  flush=True)
-            os.killpg(pid, signal.SIGKILL)
+            kill(s)
         return await take_weights(self, s)
 
-    ServerPool._reload, ServerPool._take_weights = _reload, _take_weights
+    async def _load_adapter(self, s, name, folder):
+        if name == f"vcpo-v{version}" and s is self.servers[0]:
+            kill(s)
+        return await load_adapter(self, s, name, folder)
+
+    ServerPool._reload, ServerPool._take_weights, ServerPool._load_adapter = _reload, _take_weights, _load_adapter
 
 
 if __name__ == "__main__":

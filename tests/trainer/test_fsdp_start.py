@@ -19,7 +19,7 @@ def _start(rank, folder):
     from vcpo.trainer.policy import FullModel, Sharded
 
     ranks = types.SimpleNamespace(main=rank == 0, device=torch.device("cpu"), world=2, group=dist.group.WORLD)
-    model = FullModel().load(folder) if rank == 0 else FullModel().skeleton(folder)
+    model = FullModel(torch.float32).load(folder) if rank == 0 else FullModel(torch.float32).skeleton(folder)
     meta_before = all(p.is_meta for p in model.parameters())
     placement = Sharded(model, ranks)
     gathered = full_weights(model, ranks)

@@ -14,7 +14,10 @@ import torch
 peft = pytest.importorskip("peft")
 
 from vcpo.trainer import lora  # noqa: E402
+from vcpo.trainer.lora import adapters_in_flight  # noqa: E402
 from vcpo.trainer.config import make_config  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _tiny_llama(dtype=torch.float64):
@@ -92,13 +95,26 @@ def test_step_updates_only_the_adapter():
     ({"lora_rank": 8, "lora_alpha": -1.0}, "lora_alpha must be a finite number > 0"),
     ({"lora_alpha": 16.0}, "settings of LoRA: add --lora-rank"),
     ({"lora_rank": 8, "lora_targets": " ,"}, "lora_targets must be all-linear or module names"),
-    ({"lora_rank": 8, "engine": "server", "engine_urls": "http://127.0.0.1:8000"}, "not server"),
+    ({"lora_rank": 8, "engine": "server", "engine_urls": "http://127.0.0.1:8000", "weight_swap": "keep"},
+     "leave weight_swap at wait"),
     ({"lora_rank": 8, "trainer_ranks": 2, "engine": "process"}, "one trainer rank"),
     ({"lora_rank": 8, "vcpo": {"fused_lm_head": True}}, "fused_lm_head false"),
 ])
 def test_bad_lora_settings_are_refused(bad, match):
     with pytest.raises(ValueError, match=match):
         make_config(**bad)
+
+
+def test_an_adapter_on_a_server_pool_travels_as_files():
+    # checked here without a GPU: the config refuses nccl first on a machine that has none
+    with pytest.raises(ValueError, match="the adapter travels as files"):
+        lora.check_settings(8, None, "all-linear", engine="server", fsdp=False, trainer_ranks=1, fused_lm_head=False,
+                            weight_transfer="nccl", weight_swap="wait")
+    from vcpo.trainer.engines.pool import ServerPool
+
+    with pytest.raises(ValueError, match="travels as files"):
+        ServerPool(["http://127.0.0.1:9"], weights_dir="/tmp/w", weight_transfer="nccl", lora={"r": 8})
+    assert lora.server_args(16, 4) == ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "6"]
 
 
 def test_the_engine_rank_and_targets():
@@ -171,7 +187,8 @@ AFTER_RUN = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
     """A LoRA run on a tiny random model with a length reward (gradients from step 1), synchronous (k = 0):
-    engine: process for 4 steps, then --resume with engine: inprocess for 2 more; then AFTER_RUN."""
+    engine: process for 4 steps, then --resume with engine: inprocess for 2 more, then with engine: server (2 local
+    servers, the first SIGKILLed as the adapter of version 7 is loaded) for 2 more; then AFTER_RUN."""
     pytest.importorskip("vllm")
     tmp = tmp_path_factory.mktemp("lora")
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
@@ -197,24 +214,32 @@ def lora_run(tmp_path_factory):
             "--max-new-tokens", "6", "--eval-size", "8", "--eval-every", "100", "--checkpoint-every", "2",
             "--max-staleness", "0", "--loss", "grpo", "--lr", "2e-2", "--lora-rank", "8", *common])
     python(["-m", "vcpo.trainer.cli", "train", "--resume", str(folder), "--steps", "6", "--engine", "inprocess", *common])
+    fault = json.dumps({"kill_server_mid_sync": {"version": 7, "run_dir": str(folder)}})
+    server_run = python([os.path.join(HERE, "..", "support", "faulty_train.py"), fault, "--resume", str(folder),
+                         "--steps", "8", "--engine", "server", "--engine-servers", "2", *common])
     script = tmp / "after_run.py"
     script.write_text("if __name__ == '__main__':\n" + textwrap.indent(AFTER_RUN, "    "))
     out = python([str(script), str(folder), str(tmp / "export"), str(model), str(tmp / "sync")])
-    return {"folder": folder, "model": model, "export": tmp / "export",
+    return {"folder": folder, "model": model, "export": tmp / "export", "server_run": server_run,
             "result": json.loads(out.strip().splitlines()[-1])}
 
 
 @pytest.mark.slow
 def test_lora_run_end_to_end(lora_run):
     """Every batch is sampled by the engine with the adapter of the step before, so the K3 KL of behaviour and
-    policy stays 0 (a sync that did not reach the engine would leave it on an older adapter); checkpoints hold the
-    adapter and its optimizer; the resumed run continues the steps."""
+    policy stays 0 (a sync that did not reach the engine would leave it on an older adapter), on the server pool too,
+    after one of its two servers died while it loaded an adapter; checkpoints hold the adapter and its optimizer;
+    the resumed runs continue the steps; the pool keeps the adapters in flight and removes the older ones."""
     folder = lora_run["folder"]
     rows = [json.loads(line) for line in open(folder / "metrics.jsonl")]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6, 7, 8]
     assert all(abs(r["kl_k3"]) < 1e-5 for r in rows)  # behaviour = the trainer's policy at every step
     assert rows[-1]["grad_norm"] > 0
-    checkpoint = folder / "checkpoints" / "step-000006"
+    assert [r.get("servers_up") for r in rows[6:]] == [2, 1]  # the kill came as version 7 was loaded
+    assert "faulty_train: SIGKILL to server" in lora_run["server_run"] and "is down" in lora_run["server_run"]
+    adapters = sorted(p.name for p in (folder / ".weights").iterdir() if p.name.startswith("adapter-v"))
+    assert len(adapters) <= adapters_in_flight(0) and "adapter-v8" in adapters or "adapter-v7" in adapters
+    checkpoint = folder / "checkpoints" / "step-000008"
     assert sorted(p.name for p in checkpoint.iterdir() if "safetensors" in p.name) == ["adapter_model.safetensors"]
     adapter = lora.read_adapter_config(str(checkpoint))
     assert adapter["r"] == 8 and adapter["lora_alpha"] == 16.0

@@ -167,9 +167,9 @@ def test_step_at_a_temperature_against_a_per_sequence_loop(fused, t, top_k, top_
     ({"top_p": 1.5}, r"top_p must be a number in \(0, 1\]"),
     ({"top_k": -2}, "top_k must be an integer >= -1"),
     ({"top_k": 2.5}, "top_k must be an integer >= -1"),
-    ({"vcpo": {"temperature": 0.5}}, "vcpo.temperature follows the sampling setting: set temperature instead"),
-    ({"vcpo": {"top_k": 5}}, "vcpo.top_k follows the sampling setting: set top_k instead"),
-    ({"vcpo": {"top_p": 0.5}}, "vcpo.top_p follows the sampling setting: set top_p instead"),
+    ({"vcpo": {"temperature": 0.5}}, "vcpo.temperature follows the temperature setting: set temperature instead"),
+    ({"vcpo": {"top_k": 5}}, "vcpo.top_k follows the top_k setting: set top_k instead"),
+    ({"vcpo": {"top_p": 0.5}}, "vcpo.top_p follows the top_p setting: set top_p instead"),
 ])
 def test_bad_sampling_settings_name_the_setting(setting, message):
     with pytest.raises(ValueError, match=message):

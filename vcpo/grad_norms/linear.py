@@ -72,6 +72,9 @@ def assemble(layout: SequenceLayout, rec: Record, call: Call, coefficients: Tens
     w = layout.row_weights(coefficients, grad, rec.name)  # one weight per row
     g2 = grad.reshape(-1, grad.shape[-1])
     a2 = x.reshape(-1, x.shape[-1])
+    if a2.dtype != g2.dtype:  # mixed precision: an fp32 input, a bf16 output gradient; formed in the wider
+        dt = torch.promote_types(a2.dtype, g2.dtype)
+        a2, g2 = a2.to(dt), g2.to(dt)
     if m.weight.requires_grad:
         # B^T diag(w) A: scale whichever of A and B is narrower (the LM head's B is V wide)
         if a2.shape[1] <= g2.shape[1]:

@@ -23,7 +23,7 @@ def _value(text: str):
 
 
 def _train_parser(sub) -> argparse.ArgumentParser:
-    from .config import SAMPLING_OPTIONS, TrainConfig
+    from .config import SET_BY_SETTINGS, TrainConfig
 
     p = sub.add_parser("train", help="asynchronous VCPO training on vLLM rollouts",
                        description="Train with asynchronous VCPO. With no arguments: the built-in tiny model on "
@@ -52,7 +52,7 @@ def _train_parser(sub) -> argparse.ArgumentParser:
                            help=text + ("" if f.default is None else f" [{f.default}]"))
     g = p.add_argument_group("VCPO loss options (docs/contract.md; values read as YAML, e.g. 8, true, null)")
     for f in fields(VCPOConfig):
-        if f.name in SAMPLING_OPTIONS:  # the sampling settings above
+        if f.name in SET_BY_SETTINGS:  # set by the settings above
             continue
         g.add_argument(_flag(f.name), dest="vcpo." + f.name, type=_value, metavar="VALUE")
     return p

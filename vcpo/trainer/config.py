@@ -40,8 +40,11 @@ ENGINE_MODES = ("process", "inprocess", "server")  # the `engine` setting; engin
 DTYPES = ("float32", "bfloat16", "float16")  # the `dtype` setting: the engine's
 WEIGHT_SWAPS = ("wait", "keep", "abort")
 WEIGHT_TRANSFERS = ("storage", "nccl")  # docs/scale.md, "Weight transfer over NCCL"
-# the sampling settings that are also VCPOConfig fields: the trainer sets those from these, never apart
-SAMPLING_OPTIONS = ("temperature", "top_k", "top_p")
+# The trainer's precision (docs/trainer.md, "Precision"): its parameters' dtype (and the optimizer state's) and the
+# forward's autocast dtype (VCPOConfig.autocast; with FSDP2, MixedPrecisionPolicy's param_dtype, fp32 reductions).
+PRECISIONS = {"fp32": ("float32", None), "bf16-mixed": ("float32", "bfloat16"), "bf16": ("bfloat16", None)}
+# VCPOConfig fields the trainer sets from a setting of its own, never apart: field -> the setting
+SET_BY_SETTINGS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "autocast": "precision"}
 
 # the settings' groups, in the order of `vcpo train --help` and of the settings table
 DATA, RUN, SAMPLING, UPDATE, BOOKKEEPING, ENGINE, SERVER, RANKS, LORA = (
@@ -123,9 +126,9 @@ def _is_model(folder_or_file: str) -> bool:
 def _loss_options(value: Any, name: str) -> None:
     if not isinstance(value, dict):
         raise ValueError(f"{name} must be a mapping of VCPO loss options, got {value!r}")
-    for sampling in SAMPLING_OPTIONS:
-        if sampling in value:
-            raise ValueError(f"{name}.{sampling} follows the sampling setting: set {sampling} instead")
+    for field, setting_name in SET_BY_SETTINGS.items():
+        if field in value:
+            raise ValueError(f"{name}.{field} follows the {setting_name} setting: set {setting_name} instead")
 
 
 def _ray_address(value: Any, name: str) -> None:
@@ -225,6 +228,9 @@ class TrainConfig:
     top_k: int = setting(-1, group=SAMPLING, check=integer(-1),
         help="top-k sampling of the rollouts and of vcpo eval's samples (-1 or 0: off); the trainer's log-probs are of "
              "the same truncated distribution")
+    precision: str = setting("fp32", group=UPDATE, check=one_of(PRECISIONS),
+        help="the trainer's: fp32; bf16-mixed (bf16 compute over fp32 weights and optimizer state); bf16 (bf16 "
+             "weights and optimizer state). The engine's is --dtype (docs/trainer.md, Precision)")
     loss: str = setting("vcpo", group=UPDATE, check=one_of(LOSS_PRESETS),
         help=f"update rule: {', '.join(LOSS_PRESETS)}")
     ess_scaling: Optional[bool] = setting(None, group=UPDATE, check=boolean,
@@ -321,8 +327,9 @@ class TrainConfig:
             options.update({"advantage": "opob", "grad_norms": "exact"} if self.opob
                            else {"advantage": "grpo", "grad_norms": "uniform"})
         options.update(self.vcpo)
-        # the step's log-probs are of the distribution sampled from
-        options.update({name: getattr(self, name) for name in SAMPLING_OPTIONS})
+        # the step's log-probs are of the distribution sampled from, in the trainer's precision
+        options.update(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                       autocast=PRECISIONS[self.precision][1])
         try:
             return VCPOConfig(**options)
         except TypeError as e:  # an unknown field name
@@ -363,7 +370,8 @@ class TrainConfig:
         from .lora import check_settings
 
         check_settings(self.lora_rank, self.lora_alpha, self.lora_targets, engine=self.engine, fsdp=self.fsdp,
-                       trainer_ranks=self.trainer_ranks, fused_lm_head=options.fused_lm_head)
+                       trainer_ranks=self.trainer_ranks, fused_lm_head=options.fused_lm_head,
+                       weight_transfer=self.weight_transfer, weight_swap=self.weight_swap)
         return self
 
     def _validate_server_settings(self) -> None:

@@ -42,6 +42,24 @@ def engine_max_rank(rank: int) -> int:
     return next(r for r in VLLM_MAX_LORA_RANKS if r >= rank)
 
 
+def adapters_in_flight(max_staleness: int) -> int:
+    """How many adapter versions a server pool keeps loaded, and vLLM's max_loras (the adapters one batch may
+    mix): a request keeps the adapter it named until it ends, and the engine runs ahead of the trainer by at most
+    k versions, so the requests in flight name at most k + 1 of them; one more is the new one being loaded."""
+    return max_staleness + 2
+
+
+def server_args(rank: int, max_staleness: int) -> list[str]:
+    """A LoRA server's vLLM arguments (and SERVER_ENV in its environment): adapters loaded and unloaded at run
+    time over HTTP, up to the run's rank."""
+    return ["--enable-lora", "--max-lora-rank", str(engine_max_rank(rank)), "--max-loras",
+            str(adapters_in_flight(max_staleness))]
+
+
+# vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter exist only with this in the server's environment
+SERVER_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+
+
 def wrap(model, rank: int, alpha: float, target_spec: str):
     """`model` with fresh LoRA adapters (B = 0: the policy starts as the base model); base weights frozen."""
     from peft import LoraConfig, get_peft_model
@@ -54,15 +72,15 @@ def wrap(model, rank: int, alpha: float, target_spec: str):
         raise ValueError(f"lora_targets {target_spec!r}: {e}") from None
 
 
-def load_policy(path: str, rank: int, alpha: float, target_spec: str):
-    """The LoRA policy in float32: fresh adapters on the model folder `path`, or, `path` being an adapter
+def load_policy(path: str, rank: int, alpha: float, target_spec: str, dtype: torch.dtype = torch.float32):
+    """The LoRA policy in `dtype`: fresh adapters on the model folder `path`, or, `path` being an adapter
     checkpoint, its adapters (trainable) on the base model it names."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     if not is_adapter(path):
-        return wrap(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), rank, alpha, target_spec)
-    base = AutoModelForCausalLM.from_pretrained(base_model_dir(path), dtype=torch.float32)
+        return wrap(AutoModelForCausalLM.from_pretrained(path, dtype=dtype), rank, alpha, target_spec)
+    base = AutoModelForCausalLM.from_pretrained(base_model_dir(path), dtype=dtype)
     return PeftModel.from_pretrained(base, path, is_trainable=True)
 
 
@@ -96,7 +114,7 @@ def read_adapter_config(adapter: str) -> dict:
 
 
 def check_settings(rank: Optional[int], alpha: Optional[float], target_spec: str, *, engine: str, fsdp: bool,
-                   trainer_ranks: int, fused_lm_head: bool) -> None:
+                   trainer_ranks: int, fused_lm_head: bool, weight_transfer: str, weight_swap: str) -> None:
     """TrainConfig.validate's LoRA part: the rules between the LoRA settings and the others (the range of each is
     its setting's own check)."""
     if rank is None:
@@ -106,9 +124,13 @@ def check_settings(rank: Optional[int], alpha: Optional[float], target_spec: str
     if not isinstance(target_spec, str):
         raise ValueError(f"lora_targets must be all-linear or module names like q_proj,v_proj, got {target_spec!r}")
     targets(target_spec)
-    if engine == "server":
-        raise ValueError("lora_rank: LoRA is supported with engine process and inprocess, not server (the server "
-                         "pool's weight sync sends full weights)")
+    if engine == "server" and weight_transfer != "storage":
+        raise ValueError("lora_rank with engine server: the adapter travels as files (weight_transfer storage), "
+                         "not over NCCL")
+    if engine == "server" and weight_swap != "wait":
+        raise ValueError("lora_rank with engine server: each request keeps the adapter it named to its end and a new "
+                         "adapter serves the requests sent after it, so no weights are swapped under a request; "
+                         "leave weight_swap at wait")
     if fsdp or trainer_ranks > 1:
         raise ValueError("lora_rank: LoRA runs with one trainer rank (trainer_ranks 1, no fsdp)")
     if fused_lm_head:

@@ -25,7 +25,7 @@ from vcpo.distributed import largest_abs
 from vcpo.step import RolloutBatch
 
 from . import lora
-from .config import TrainConfig
+from .config import PRECISIONS, TrainConfig
 from .errors import NonFiniteError
 from .lr_schedule import lr_factor
 from .placement.fsdp import full_optimizer_state, full_weights, load_full_optimizer_state, load_full_weights, shard
@@ -43,10 +43,12 @@ class Policy:
         hf_logging.disable_progress_bar()  # no bar per checkpoint write
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.device, self.process_group, self.ranks = ranks.device, ranks.group, ranks
-        self.trained = Adapter(cfg) if cfg.lora_rank is not None else FullModel()
+        dtype = getattr(torch, PRECISIONS[cfg.precision][0])  # the parameters' and the optimizer state's
+        self.trained = Adapter(cfg, dtype) if cfg.lora_rank is not None else FullModel(dtype)
         # FSDP2: a rank but 0 never holds the whole model, only its shard (Sharded); LoRA runs on one rank
         self.model = self.trained.skeleton(path) if cfg.fsdp and not ranks.main else self.trained.load(path)
-        self.placement = (Sharded if cfg.fsdp else Replicated)(self.model, ranks)
+        self.placement = Sharded(self.model, ranks, PRECISIONS[cfg.precision][1]) if cfg.fsdp else \
+            Replicated(self.model, ranks)
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA: the adapter alone
         self.optimizer = torch.optim.AdamW(trainable, lr=cfg.resolved_lr(), weight_decay=cfg.weight_decay)
         self.placement.use_optimizer(self.optimizer, os.path.join(path, "optimizer.pt") if resume else None)
@@ -131,21 +133,24 @@ class Policy:
 
 # -- what is trained ------------------------------------------------------------------------------------------------
 class FullModel:
-    """Every weight is trained; the engine gets them all."""
+    """Every weight is trained, in `dtype`; the engine gets them all."""
 
     adapter = None
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
 
     def load(self, path: str):
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
 
     def skeleton(self, path: str):
         """The model of `path` on the meta device: its modules and shapes, no weights read or held."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=self.dtype)
 
     def engine_model(self, start: str, base: str) -> str:
         return start
@@ -158,13 +163,14 @@ class Adapter:
     """`lora_rank`: peft LoRA adapters on the frozen base model; the engine serves the base model with the
     adapter, which is all it gets after each step."""
 
-    def __init__(self, cfg: TrainConfig) -> None:
+    def __init__(self, cfg: TrainConfig, dtype: torch.dtype) -> None:
         self.rank, self.alpha, self.targets = cfg.lora_rank, cfg.resolved_lora_alpha(), cfg.lora_targets
+        self.dtype = dtype
         self.adapter: Optional[dict] = None
 
     def load(self, path: str):
         """`path`: the base model, or an adapter checkpoint naming it."""
-        model = lora.load_policy(path, self.rank, self.alpha, self.targets)
+        model = lora.load_policy(path, self.rank, self.alpha, self.targets, self.dtype)
         self.adapter = lora.adapter_config(model)
         return model
 
@@ -205,13 +211,14 @@ class Sharded:
     """`fsdp`: FSDP2 over the ranks; the full weights are gathered to rank 0 after each step, and the optimizer's
     state for each checkpoint (in torch.optim's layout: a checkpoint resumes with or without FSDP)."""
 
-    def __init__(self, model, ranks: TrainerRanks) -> None:
-        """`model`: rank 0's loaded from the files, the others' on the meta device (FullModel.skeleton)."""
+    def __init__(self, model, ranks: TrainerRanks, compute_dtype: Optional[str] = None) -> None:
+        """`model`: rank 0's loaded from the files, the others' on the meta device (FullModel.skeleton);
+        `compute_dtype`: FSDP2's mixed precision (bf16-mixed), else None."""
         self.model, self.ranks = model, ranks
         # rank 0 keeps the weights it read (not a copy: sharding gives the model new storage, and the engine takes
         # these before the first step) for the engine's first weights, and sends each rank its shard of them
         self._weights = {k: v.detach() for k, v in model.state_dict().items()} if ranks.main else None
-        shard(model, ranks)
+        shard(model, ranks, compute_dtype)
         load_full_weights(model, self._weights, ranks)
 
     def use_optimizer(self, optimizer: torch.optim.Optimizer, state: Optional[str]) -> None:

@@ -10,6 +10,12 @@ is.
   (`/collective_rpc reload_weights`); `nccl` sends them from the trainer's GPU to each server's GPUs with vLLM's
   NCCL engine (weight_transfer.py). vLLM's engine tags each generated token with the label of the weights that
   produced it, so a sample's versions are exact even when weights change while it is being generated (`keep`).
+- LoRA (`lora`, the adapter's config): the servers serve the base model with vLLM's LoRA support; a sync writes
+  the adapter folder once to `weights_dir` and loads it into every server under a new name per version
+  (`/v1/load_lora_adapter`), and each request names the newest (`model`): a request keeps its adapter to its
+  end, so a sample's tokens all come from that version, and the servers are not paused. The last
+  `keep_adapters` versions stay loaded (those requests in flight or resent may name); older ones are unloaded
+  and their folders removed.
 - Faults: a server that times out, or fails a request and then its /health check, is marked down; its requests
   are sent to the others. With every server down, EngineUnavailable names them all.
 - Access: every request carries the servers' key (VLLM_API_KEY, or the one the trainer made for the servers it
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,6 +38,7 @@ from vcpo_kernels.truncation import truncates
 
 from ..config import WEIGHT_SWAPS, WEIGHT_TRANSFERS
 from ..errors import EngineUnavailable, WeightSyncError
+from ..lora import SERVER_ENV, write_adapter
 from .interface import LOGPROBS_MODE, Completion, Engine, TransferError, unique_tensors
 from .servers import KEY_ENV, http_client, refused
 
@@ -96,6 +104,7 @@ class PoolStats:
     write_seconds: float = 0.0  # writing the safetensors file, all syncs (storage transfer)
     resent: int = 0  # requests sent again after their server failed
     aborted: int = 0  # requests aborted by a sync in `abort` mode and sent again from their prompt
+    sync_bytes: int = 0  # the files written for the servers to load, all syncs (storage transfer)
 
 
 class ServerPool(Engine):
@@ -107,14 +116,18 @@ class ServerPool(Engine):
     def __init__(self, urls: Sequence[str], *, weights_dir: str, weight_swap: str = "wait", timeout: float = 600.0,
                  retries: int = 3, backoff: float = 0.5, weight_transfer: str = "storage",
                  weight_transfer_host: Optional[str] = None, device: Optional[torch.device] = None,
-                 key: Optional[str] = None, log: Callable[[str], None] = print) -> None:
+                 key: Optional[str] = None, lora: Optional[dict] = None, keep_adapters: int = 2,
+                 log: Callable[[str], None] = print) -> None:
         """`key`: the servers' (default: VLLM_API_KEY). `weight_transfer` nccl: `device` is the trainer's GPU the
         weights are sent from (default: the current CUDA device of the calling thread), `weight_transfer_host` the
-        address the servers join it at."""
+        address the servers join it at. `lora`: the adapter's config (a LoRA run: the weights are adapters),
+        the last `keep_adapters` versions kept loaded."""
         if weight_swap not in WEIGHT_SWAPS:
             raise ValueError(f"weight_swap must be one of {list(WEIGHT_SWAPS)}, got {weight_swap!r}")
         if weight_transfer not in WEIGHT_TRANSFERS:
             raise ValueError(f"weight_transfer must be one of {list(WEIGHT_TRANSFERS)}, got {weight_transfer!r}")
+        if lora is not None and weight_transfer != "storage":
+            raise ValueError("a LoRA adapter travels as files: weight_transfer storage, not nccl")
         self.servers = [Server(u.rstrip("/")) for u in urls]
         # absolute: the servers read it, from their own working folders
         self.weights_dir, self.weight_swap, self.timeout = os.path.abspath(weights_dir), weight_swap, timeout
@@ -129,6 +142,9 @@ class ServerPool(Engine):
                 device = torch.device("cuda", torch.cuda.current_device())
             self._nccl = NCCLTransfer(device=device, host=weight_transfer_host, timeout=timeout, key=self.key,
                                       log=log)
+        self.lora, self.keep_adapters = lora, keep_adapters
+        self._adapters: list[tuple[str, str]] = []  # (name, folder) of the loaded versions, oldest first
+        self._adapter: Optional[tuple[int, str]] = None  # (version, name) the requests name
         self._weights_from = f"weights in {self.weights_dir}" if self._nccl is None else "weights sent over NCCL"
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vcpo-pool", daemon=True)
@@ -200,14 +216,17 @@ class ServerPool(Engine):
                  stop_token_ids: Sequence[int] = ()) -> list[list[Completion]]:
         """n completions of each prompt (token ids), as RolloutEngine.generate, each with the versions of its
         tokens and the URL of the server that made it."""
-        bodies = [{"token_ids": list(p),
+        adapter = self._adapter  # one adapter for the whole batch, even if a sync lands while it is sent
+        if self.lora is not None and adapter is None:
+            raise RuntimeError("a LoRA pool generates with an adapter: load_weights first")
+        bodies = [{"token_ids": list(p), **({} if adapter is None else {"model": adapter[1]}),
                    "sampling_params": {"n": n, "temperature": temperature, "top_k": top_k, "top_p": top_p,
                                        "max_tokens": max_tokens, "logprobs": 0,
                                        "seed": None if seeds is None else int(seeds[i]),
                                        "stop_token_ids": list(stop_token_ids), "detokenize": False}}
                   for i, p in enumerate(prompts)]
         work = [n * (len(p) + max_tokens) for p in prompts]
-        return self._call(_all(*(self._request(b, w) for b, w in zip(bodies, work))))
+        return self._call(_all(*(self._request(b, w, adapter) for b, w in zip(bodies, work))))
 
     def _pick(self) -> Server:
         up = self.up()
@@ -216,7 +235,7 @@ class ServerPool(Engine):
                                     + "; ".join(f"{s.url} ({s.down_reason})" for s in self.servers))
         return min(up, key=lambda s: s.outstanding)
 
-    async def _request(self, body: dict, work: int) -> list[Completion]:
+    async def _request(self, body: dict, work: int, adapter: Optional[tuple[int, str]]) -> list[Completion]:
         failures = 0
         while True:
             server = self._pick()
@@ -235,7 +254,7 @@ class ServerPool(Engine):
                 self.stats.aborted += 1
                 continue
             server.requests += 1
-            return [_completion(c, server.url) for c in choices]
+            return [_completion(c, server.url, None if adapter is None else adapter[0]) for c in choices]
 
     async def _post_generate(self, server: Server, body: dict, work: int) -> dict:
         server.outstanding += work
@@ -290,7 +309,15 @@ class ServerPool(Engine):
     # -- weight sync ----------------------------------------------------------------------------------------------
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         """Every server that is up takes `state` (storage: written once to weights_dir, then reloaded by each;
-        nccl: sent to each) and labels its tokens with `version` from then on (in parallel)."""
+        nccl: sent to each) and labels its tokens with `version` from then on (in parallel). With LoRA `state` is
+        the adapter, loaded beside the older ones; the requests sent from then on name it."""
+        if self.lora is not None:
+            t0 = time.perf_counter()
+            folder = os.path.join(self.weights_dir, f"adapter-v{version}")
+            self.stats.sync_bytes += write_adapter(folder, state, self.lora)
+            self.stats.write_seconds += time.perf_counter() - t0
+            self._call(self._load_adapter_all(version, folder))
+            return
         if self._nccl is None:
             from safetensors.torch import save_file
 
@@ -300,6 +327,7 @@ class ServerPool(Engine):
             save_file({k: v.contiguous() for k, v in unique_tensors(state).items()}, tmp)
             os.replace(tmp, os.path.join(self.weights_dir, "model.safetensors"))
             self.stats.write_seconds += time.perf_counter() - t0
+            self.stats.sync_bytes += os.path.getsize(os.path.join(self.weights_dir, "model.safetensors"))
         elif self._nccl.source is None:
             raise RuntimeError("weight_transfer nccl: ServerPool.check sets up the NCCL groups; call it first")
         else:
@@ -330,6 +358,45 @@ class ServerPool(Engine):
                                   f"({type(e).__name__}: {e}); see its log") from None
         s.reload_seconds.append(time.perf_counter() - t0)
 
+    async def _load_adapter_all(self, version: int, folder: str) -> None:
+        self._pick()  # EngineUnavailable when none is up
+        name = f"vcpo-v{version}"
+        await asyncio.gather(*(self._load_adapter(s, name, folder) for s in self.up()))
+        self._pick()
+        self._adapter = (version, name)
+        self._adapters = [a for a in self._adapters if a[0] != name] + [(name, folder)]
+        while len(self._adapters) > self.keep_adapters:  # no request in flight names these any more
+            old, old_folder = self._adapters.pop(0)
+            await asyncio.gather(*(self._control(s, "/v1/unload_lora_adapter", {"lora_name": old})
+                                   for s in self.up()), return_exceptions=True)
+            if os.path.dirname(old_folder) == self.weights_dir and old_folder != folder:
+                shutil.rmtree(old_folder, ignore_errors=True)
+
+    async def _load_adapter(self, s: Server, name: str, folder: str) -> None:
+        t0 = time.perf_counter()
+        body = {"lora_name": name, "lora_path": folder}
+        try:
+            response = await s.client.post("/v1/load_lora_adapter", json=body)
+            if response.status_code == 400 and "already" in response.text:  # a resumed run's version, loaded before
+                await self._control(s, "/v1/unload_lora_adapter", {"lora_name": name})
+                response = await s.client.post("/v1/load_lora_adapter", json=body)
+        except httpx.TransportError as e:
+            if not await self._healthy(s):  # it died: the others carry on
+                self._mark_down(s, f"adapter load failed: {type(e).__name__}: {e}")
+                return
+            raise WeightSyncError(f"{s.url} failed to load the adapter {folder} ({type(e).__name__}: {e}); see its "
+                                  "log") from None
+        if response.status_code == 401:
+            raise WeightSyncError(refused(s.url, self.key))
+        if response.status_code in (404, 405):
+            raise WeightSyncError(f"{s.url} has no /v1/load_lora_adapter: start it with --enable-lora --max-lora-rank "
+                                  f"R (the adapter's rank or more) --max-loras {self.keep_adapters} and "
+                                  f"{', '.join(f'{k}={v}' for k, v in SERVER_ENV.items())} in its environment")
+        if response.status_code != 200:
+            raise WeightSyncError(f"{s.url} did not load the adapter {folder} ({response.status_code}): "
+                                  f"{response.text[:500]}")
+        s.reload_seconds.append(time.perf_counter() - t0)
+
     async def _take_weights(self, s: Server) -> None:
         if self._nccl is None:
             await self._control(s, "/collective_rpc",
@@ -358,6 +425,7 @@ class ServerPool(Engine):
                     "mean_reload_seconds": sum(s.reload_seconds) / max(len(s.reload_seconds), 1)}
                    for s in self.servers]
         return {"servers": servers, "weights_write_seconds": self.stats.write_seconds,
+                "sync_bytes": self.stats.sync_bytes,
                 "resent_requests": self.stats.resent, "aborted_requests": self.stats.aborted}
 
     def close(self) -> None:
@@ -382,9 +450,14 @@ async def _all(*coroutines):
         raise
 
 
-def _completion(choice: dict, url: str) -> Completion:
+def _completion(choice: dict, url: str, adapter_version: Optional[int]) -> Completion:
+    """A choice of /inference/v1/generate; its tokens' versions are the server's labels, or with LoRA the version
+    of the adapter the request named (all of its tokens)."""
     ids = list(choice["token_ids"] or [])
     content = (choice.get("logprobs") or {}).get("content") or []
-    spans = [(int(v["version"]), v["start"], v["end"]) for v in choice.get("weight_versions") or []]
+    if adapter_version is not None:  # the servers' own label is never set with LoRA ("default")
+        spans = [(adapter_version, 0, len(ids))]
+    else:
+        spans = [(int(v["version"]), v["start"], v["end"]) for v in choice.get("weight_versions") or []]
     return Completion(ids, [float(c["logprob"]) for c in content], choice["finish_reason"], versions=spans,
                       server=url)

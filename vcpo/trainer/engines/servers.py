@@ -30,6 +30,7 @@ from typing import Callable, Optional, Sequence
 from ..config import WEIGHT_TRANSFERS
 from ..errors import ServerStartError
 from ..gguf_models import is_gguf, model_folder
+from ..lora import SERVER_ENV
 from ..net import free_port
 from ..process_guard import RPC_ENV, runtime_dir
 from .interface import LOGPROBS_MODE
@@ -290,7 +291,9 @@ class LocalServers:
                  kv_cache_gib: float, seed: int, cores: Optional[list[list[int]]] = None,
                  gpus: Optional[list[str]] = None, gpu_memory_utilization: float = 0.5,
                  weight_transfer: str = "storage", host: str = "127.0.0.1", key: Optional[str] = None,
-                 unix_socket: bool = False, log: Callable[[str], None] = print) -> None:
+                 unix_socket: bool = False, lora_args: Sequence[str] = (),
+                 log: Callable[[str], None] = print) -> None:
+        """`lora_args`: a LoRA run's server arguments (lora.server_args), or none."""
         if count < 1:
             raise ValueError(f"engine_servers must be an integer >= 1, got {count!r}")
         if weight_transfer not in WEIGHT_TRANSFERS:
@@ -303,6 +306,8 @@ class LocalServers:
             self.args += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
         if weight_transfer == "nccl":
             self.args += NCCL_SERVER_ARGS
+        self.args += list(lora_args)
+        self.extra_env = dict(SERVER_ENV) if lora_args else {}
         self.kv_cache_gib, self.cores, self.gpus, self.host = kv_cache_gib, cores, gpus, host
         self.key, self.unix_socket = key, unix_socket
         self.procs: list[subprocess.Popen] = []
@@ -338,7 +343,7 @@ class LocalServers:
         listen, url = self._listen(i, tmp)
         env = {**os.environ, **POOL_ENV, "TMPDIR": tmp, RPC_ENV: tmp, PARENT_ENV: str(os.getpid()), TMPDIR_ENV: tmp,
                "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(self.kv_cache_gib))),
-               "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO")}
+               "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO"), **self.extra_env}
         env.pop(KEY_ENV, None)  # the server's key is self.key, or none
         if self.key:
             env[KEY_ENV] = self.key

@@ -16,6 +16,7 @@ import torch
 
 from ..config import TrainConfig
 from ..errors import WeightSyncError
+from ..lora import adapters_in_flight, server_args
 from ..placement.devices import core_plan, gpu_plan, local_server_count, pin_engine_processes, pin_trainer
 from .interface import Engine
 from .pool import ServerPool, check_reachable
@@ -45,7 +46,7 @@ def start_engine(cfg: TrainConfig, *, model_dir: str, max_len: int, run_dir: str
             engine, servers = _start_server_pool(cfg, model_dir=model_dir, max_len=max_len, run_dir=run_dir,
                                                  engine_cores=engine_cores, probe=probe, probe_ids=probe_ids,
                                                  weights=weights(), version=version,
-                                                 warm_up_prompt=warm_up_prompt, log=log)
+                                                 warm_up_prompt=warm_up_prompt, adapter=adapter, log=log)
         else:
             engine = owned_engine(cfg, model_dir, mode=cfg.engine, max_len=max_len,
                                   sync_dir=os.path.join(run_dir, ".weights"), engine_cores=engine_cores,
@@ -79,7 +80,7 @@ def owned_engine(cfg: TrainConfig, model_dir: str, *, mode: str, max_len: int, s
 
 def _start_server_pool(cfg: TrainConfig, *, model_dir: str, max_len: int, run_dir: str, engine_cores, probe: str,
                        probe_ids: list[int], weights: dict, version: int, warm_up_prompt: list[int],
-                       log) -> tuple[ServerPool, Optional[LocalServers]]:
+                       adapter: Optional[dict], log) -> tuple[ServerPool, Optional[LocalServers]]:
     """engine: server: start the local servers (engine_servers) or use the running ones (engine_urls), check
     that each is reachable and serves the trainer's tokenizer, and load the trainer's `weights` into each: the
     servers may hold any weights of the architecture, and the pool labels them with `version`."""
@@ -94,12 +95,14 @@ def _start_server_pool(cfg: TrainConfig, *, model_dir: str, max_len: int, run_di
                        cores=None if engine_cores is None else split_cores(engine_cores, count),
                        gpus=None if cfg.ray is not None else gpu_plan(count, cfg.trainer_ranks),
                        gpu_memory_utilization=cfg.gpu_memory_utilization, weight_transfer=cfg.weight_transfer,
-                       key=key, unix_socket=True, log=log)
+                       key=key, unix_socket=True, log=log,
+                       lora_args=() if adapter is None else server_args(adapter["r"], cfg.max_staleness))
         urls = servers.start()
     pool = ServerPool(urls, weights_dir=cfg.weights_dir or os.path.join(run_dir, ".weights"),
                       weight_swap=cfg.weight_swap, timeout=cfg.engine_timeout, weight_transfer=cfg.weight_transfer,
                       weight_transfer_host=cfg.weight_transfer_host,
-                      device=torch.device("cuda:0") if cfg.weight_transfer == "nccl" else None, key=key, log=log)
+                      device=torch.device("cuda:0") if cfg.weight_transfer == "nccl" else None, key=key, log=log,
+                      lora=adapter, keep_adapters=adapters_in_flight(cfg.max_staleness))
     setting = "engine_servers" if servers else "engine_urls"
     try:
         pool.check(setting=setting, probe_text=probe, probe_ids=probe_ids, max_model_len=max_len,

@@ -11,19 +11,22 @@ import torch
 from .ranks import TrainerRanks
 
 
-def shard(model: torch.nn.Module, ranks: TrainerRanks) -> None:
-    """FSDP2 over the trainer ranks' 1-D mesh, in fp32: each decoder layer (the classes a Hugging Face model lists
-    in `_no_split_modules`) is one unit, all-gathered for its forward and backward, then the rest of the model (the
-    embeddings, final norm and LM head, a tied head with its embedding)."""
+def shard(model: torch.nn.Module, ranks: TrainerRanks, compute_dtype: Optional[str] = None) -> None:
+    """FSDP2 over the trainer ranks' 1-D mesh: each decoder layer (the classes a Hugging Face model lists in
+    `_no_split_modules`) is one unit, all-gathered for its forward and backward, then the rest of the model (the
+    embeddings, final norm and LM head, a tied head with its embedding). The shards keep the parameters' dtype;
+    with `compute_dtype` ("bfloat16": bf16-mixed) the units are gathered in it and the gradients reduced in fp32."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(ranks.device.type, (ranks.world,))
+    policy = MixedPrecisionPolicy() if compute_dtype is None else \
+        MixedPrecisionPolicy(param_dtype=getattr(torch, compute_dtype), reduce_dtype=torch.float32)
     units = set(getattr(model, "_no_split_modules", None) or ())
     for module in model.modules():
         if type(module).__name__ in units:
-            fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(module, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
 def load_full_weights(model: torch.nn.Module, weights: Optional[dict], ranks: TrainerRanks) -> None:
