@@ -97,7 +97,7 @@ def test_step_updates_only_the_adapter():
     ({"lora_rank": 8, "lora_targets": " ,"}, "lora_targets must be all-linear or module names"),
     ({"lora_rank": 8, "engine": "server", "engine_urls": "http://127.0.0.1:8000", "weight_swap": "keep"},
      "leave weight_swap at wait"),
-    ({"lora_rank": 8, "trainer_ranks": 2, "engine": "process"}, "one trainer rank"),
+    ({"lora_rank": 8, "trainer_ranks": 2, "engine": "process", "fsdp": True}, "not sharded"),
     ({"lora_rank": 8, "vcpo": {"fused_lm_head": True}}, "fused_lm_head false"),
 ])
 def test_bad_lora_settings_are_refused(bad, match):
@@ -108,13 +108,26 @@ def test_bad_lora_settings_are_refused(bad, match):
 def test_an_adapter_on_a_server_pool_travels_as_files():
     # checked here without a GPU: the config refuses nccl first on a machine that has none
     with pytest.raises(ValueError, match="the adapter travels as files"):
-        lora.check_settings(8, None, "all-linear", engine="server", fsdp=False, trainer_ranks=1, fused_lm_head=False,
+        lora.check_settings(8, None, "all-linear", engine="server", fsdp=False, fused_lm_head=False,
                             weight_transfer="nccl", weight_swap="wait")
     from vcpo.trainer.engines.pool import ServerPool
 
     with pytest.raises(ValueError, match="travels as files"):
         ServerPool(["http://127.0.0.1:9"], weights_dir="/tmp/w", weight_transfer="nccl", lora={"r": 8})
     assert lora.server_args(16, 4) == ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "6"]
+
+
+def test_fresh_adapters_depend_on_the_seed_alone():
+    """A run's adapters are the same whatever drew random numbers before (each trainer rank, a 1-rank run)."""
+    def factors(seed, draws):
+        torch.manual_seed(123)
+        torch.rand(draws)
+        model = lora.wrap(_tiny_llama(torch.float32), 4, 8.0, "all-linear", seed=seed)
+        return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_A" in n}
+
+    first, later, other = factors(0, 1), factors(0, 1000), factors(1, 1)
+    assert first.keys() == later.keys() and all(torch.equal(first[n], later[n]) for n in first)
+    assert not any(torch.equal(first[n], other[n]) for n in first)
 
 
 def test_the_engine_rank_and_targets():

@@ -84,6 +84,26 @@ def test_ranks_and_fsdp_take_the_steps_of_one_rank_and_resume_with_any_number(on
     assert settings["trainer_ranks"] == 2 and settings["fsdp"] is True  # the run's own settings, as started
 
 
+@pytest.mark.slow
+def test_lora_on_two_ranks_takes_the_steps_of_one_rank(length_reward, tmp_path):
+    """LoRA with the model replicated on 2 ranks (each half of the batch; the adapter's gradient averaged, the
+    exact norms over the adapter's factors): the steps of one rank on the whole batch; rank 0's engine samples
+    every batch with the trainer's adapter (k = 0: K3 KL 0); the checkpoint is the adapter alone."""
+    env, common = length_reward
+    lora = ["--lora-rank", "4", "--steps", "2"]
+    train([*common, *lora, "--output-dir", str(tmp_path / "one")], env)
+    train([*common, *lora, "--trainer-ranks", "2", "--output-dir", str(tmp_path / "two")], env)
+    one, two = read_jsonl(tmp_path / "one" / "metrics.jsonl"), read_jsonl(tmp_path / "two" / "metrics.jsonl")
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2]
+    assert all(r["grad_norm"] > 0 for r in one)
+    for ref, row in zip(one, two):
+        assert abs(row["kl_k3"]) < 1e-5, row
+        for key in COMPARED:
+            assert row[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (row["step"], key)
+    checkpoint = tmp_path / "two" / "checkpoints" / "step-000002"
+    assert sorted(p.name for p in checkpoint.iterdir() if "safetensors" in p.name) == ["adapter_model.safetensors"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--prompts-per-step", "3", "--trainer-ranks", "2"], "prompts_per_step (3) must be a multiple of trainer_ranks (2)"),
     (["--trainer-ranks", "0"], "trainer_ranks must be an integer >= 1"),

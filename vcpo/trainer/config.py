@@ -370,7 +370,7 @@ class TrainConfig:
         from .lora import check_settings
 
         check_settings(self.lora_rank, self.lora_alpha, self.lora_targets, engine=self.engine, fsdp=self.fsdp,
-                       trainer_ranks=self.trainer_ranks, fused_lm_head=options.fused_lm_head,
+                       fused_lm_head=options.fused_lm_head,
                        weight_transfer=self.weight_transfer, weight_swap=self.weight_swap)
         return self
 

@@ -60,26 +60,30 @@ def server_args(rank: int, max_staleness: int) -> list[str]:
 SERVER_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 
 
-def wrap(model, rank: int, alpha: float, target_spec: str):
-    """`model` with fresh LoRA adapters (B = 0: the policy starts as the base model); base weights frozen."""
+def wrap(model, rank: int, alpha: float, target_spec: str, seed: int = 0):
+    """`model` with fresh LoRA adapters (B = 0: the policy starts as the base model; A drawn from `seed` alone, so
+    a run's adapters do not depend on what drew random numbers before, on any rank); base weights frozen."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets(target_spec), lora_dropout=0.0,
                         bias="none", task_type="CAUSAL_LM")
     try:
-        return get_peft_model(model, config)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return get_peft_model(model, config)
     except ValueError as e:  # target names that match no module of the model
         raise ValueError(f"lora_targets {target_spec!r}: {e}") from None
 
 
-def load_policy(path: str, rank: int, alpha: float, target_spec: str, dtype: torch.dtype = torch.float32):
-    """The LoRA policy in `dtype`: fresh adapters on the model folder `path`, or, `path` being an adapter
-    checkpoint, its adapters (trainable) on the base model it names."""
+def load_policy(path: str, rank: int, alpha: float, target_spec: str, dtype: torch.dtype = torch.float32,
+                seed: int = 0):
+    """The LoRA policy in `dtype`: fresh adapters (drawn from `seed`) on the model folder `path`, or, `path` being
+    an adapter checkpoint, its adapters (trainable) on the base model it names."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     if not is_adapter(path):
-        return wrap(AutoModelForCausalLM.from_pretrained(path, dtype=dtype), rank, alpha, target_spec)
+        return wrap(AutoModelForCausalLM.from_pretrained(path, dtype=dtype), rank, alpha, target_spec, seed)
     base = AutoModelForCausalLM.from_pretrained(base_model_dir(path), dtype=dtype)
     return PeftModel.from_pretrained(base, path, is_trainable=True)
 
@@ -114,7 +118,7 @@ def read_adapter_config(adapter: str) -> dict:
 
 
 def check_settings(rank: Optional[int], alpha: Optional[float], target_spec: str, *, engine: str, fsdp: bool,
-                   trainer_ranks: int, fused_lm_head: bool, weight_transfer: str, weight_swap: str) -> None:
+                   fused_lm_head: bool, weight_transfer: str, weight_swap: str) -> None:
     """TrainConfig.validate's LoRA part: the rules between the LoRA settings and the others (the range of each is
     its setting's own check)."""
     if rank is None:
@@ -131,8 +135,8 @@ def check_settings(rank: Optional[int], alpha: Optional[float], target_spec: str
         raise ValueError("lora_rank with engine server: each request keeps the adapter it named to its end and a new "
                          "adapter serves the requests sent after it, so no weights are swapped under a request; "
                          "leave weight_swap at wait")
-    if fsdp or trainer_ranks > 1:
-        raise ValueError("lora_rank: LoRA runs with one trainer rank (trainer_ranks 1, no fsdp)")
+    if fsdp:
+        raise ValueError("lora_rank: LoRA runs with the model replicated on each trainer rank, not sharded (no fsdp)")
     if fused_lm_head:
         raise ValueError("lora_rank: fused_lm_head differentiates the LM head's weight, which LoRA freezes; use "
                          "fused_lm_head false")

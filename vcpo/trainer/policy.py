@@ -165,12 +165,12 @@ class Adapter:
 
     def __init__(self, cfg: TrainConfig, dtype: torch.dtype) -> None:
         self.rank, self.alpha, self.targets = cfg.lora_rank, cfg.resolved_lora_alpha(), cfg.lora_targets
-        self.dtype = dtype
+        self.dtype, self.seed = dtype, cfg.seed
         self.adapter: Optional[dict] = None
 
     def load(self, path: str):
         """`path`: the base model, or an adapter checkpoint naming it."""
-        model = lora.load_policy(path, self.rank, self.alpha, self.targets, self.dtype)
+        model = lora.load_policy(path, self.rank, self.alpha, self.targets, self.dtype, self.seed)
         self.adapter = lora.adapter_config(model)
         return model
 
