@@ -97,7 +97,6 @@ def test_step_updates_only_the_adapter():
     ({"lora_rank": 8, "lora_targets": " ,"}, "lora_targets must be all-linear or module names"),
     ({"lora_rank": 8, "engine": "server", "engine_urls": "http://127.0.0.1:8000", "weight_swap": "keep"},
      "leave weight_swap at wait"),
-    ({"lora_rank": 8, "trainer_ranks": 2, "engine": "process", "fsdp": True}, "not sharded"),
     ({"lora_rank": 8, "vcpo": {"fused_lm_head": True}}, "fused_lm_head false"),
 ])
 def test_bad_lora_settings_are_refused(bad, match):
@@ -108,7 +107,7 @@ def test_bad_lora_settings_are_refused(bad, match):
 def test_an_adapter_on_a_server_pool_travels_as_files():
     # checked here without a GPU: the config refuses nccl first on a machine that has none
     with pytest.raises(ValueError, match="the adapter travels as files"):
-        lora.check_settings(8, None, "all-linear", engine="server", fsdp=False, fused_lm_head=False,
+        lora.check_settings(8, None, "all-linear", engine="server", fused_lm_head=False,
                             weight_transfer="nccl", weight_swap="wait")
     from vcpo.trainer.engines.pool import ServerPool
 

@@ -86,22 +86,37 @@ def test_ranks_and_fsdp_take_the_steps_of_one_rank_and_resume_with_any_number(on
 
 @pytest.mark.slow
 def test_lora_on_two_ranks_takes_the_steps_of_one_rank(length_reward, tmp_path):
-    """LoRA with the model replicated on 2 ranks (each half of the batch; the adapter's gradient averaged, the
-    exact norms over the adapter's factors): the steps of one rank on the whole batch; rank 0's engine samples
-    every batch with the trainer's adapter (k = 0: K3 KL 0); the checkpoint is the adapter alone."""
+    """LoRA on 2 ranks, the model replicated, then sharded by FSDP2 (each rank half of the batch; the adapter's
+    gradient averaged, the exact norms over the adapter's factors; with FSDP2 only the adapter is gathered after a
+    step; its run resumed from step 2 by 2 sharded ranks): the steps of one rank on the whole batch; rank 0's
+    engine samples every batch with the trainer's adapter (k = 0: K3 KL 0); the checkpoints are the same adapter
+    alone."""
+    from safetensors.torch import load_file
+
     env, common = length_reward
-    lora = ["--lora-rank", "4", "--steps", "2"]
-    train([*common, *lora, "--output-dir", str(tmp_path / "one")], env)
-    train([*common, *lora, "--trainer-ranks", "2", "--output-dir", str(tmp_path / "two")], env)
-    one, two = read_jsonl(tmp_path / "one" / "metrics.jsonl"), read_jsonl(tmp_path / "two" / "metrics.jsonl")
-    assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2]
-    assert all(r["grad_norm"] > 0 for r in one)
-    for ref, row in zip(one, two):
-        assert abs(row["kl_k3"]) < 1e-5, row
-        for key in COMPARED:
-            assert row[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (row["step"], key)
-    checkpoint = tmp_path / "two" / "checkpoints" / "step-000002"
-    assert sorted(p.name for p in checkpoint.iterdir() if "safetensors" in p.name) == ["adapter_model.safetensors"]
+    lora = ["--lora-rank", "4", "--checkpoint-every", "1"]
+    train([*common, *lora, "--steps", "3", "--output-dir", str(tmp_path / "one")], env)
+    train([*common, *lora, "--steps", "3", "--trainer-ranks", "2", "--output-dir", str(tmp_path / "two")], env)
+    train([*common, *lora, "--steps", "2", "--trainer-ranks", "2", "--fsdp", "--output-dir", str(tmp_path / "fsdp")],
+          env)
+    train(["--resume", str(tmp_path / "fsdp"), "--steps", "3", "--no-progress"], env)
+    one = read_jsonl(tmp_path / "one" / "metrics.jsonl")
+    assert [r["step"] for r in one] == [1, 2, 3] and all(r["grad_norm"] > 0 for r in one)
+    want = load_file(tmp_path / "one" / "checkpoints" / "step-000003" / "adapter_model.safetensors")
+    for run in ("two", "fsdp"):
+        rows = read_jsonl(tmp_path / run / "metrics.jsonl")
+        assert [r["step"] for r in rows] == [1, 2, 3], run
+        for ref, row in zip(one, rows):
+            assert abs(row["kl_k3"]) < 1e-5, (run, row)
+            for key in COMPARED:
+                assert row[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (run, row["step"], key)
+        checkpoint = tmp_path / run / "checkpoints" / "step-000003"
+        assert sorted(p.name for p in checkpoint.iterdir() if "safetensors" in p.name) == [
+            "adapter_model.safetensors"], run
+        got = load_file(checkpoint / "adapter_model.safetensors")
+        assert got.keys() == want.keys(), run
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-6, msg=lambda m: f"{run} {key}: {m}")
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -369,7 +369,7 @@ class TrainConfig:
         self._validate_server_settings()
         from .lora import check_settings
 
-        check_settings(self.lora_rank, self.lora_alpha, self.lora_targets, engine=self.engine, fsdp=self.fsdp,
+        check_settings(self.lora_rank, self.lora_alpha, self.lora_targets, engine=self.engine,
                        fused_lm_head=options.fused_lm_head,
                        weight_transfer=self.weight_transfer, weight_swap=self.weight_swap)
         return self

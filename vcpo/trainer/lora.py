@@ -88,11 +88,13 @@ def load_policy(path: str, rank: int, alpha: float, target_spec: str, dtype: tor
     return PeftModel.from_pretrained(base, path, is_trainable=True)
 
 
-def adapter_state(model) -> dict[str, torch.Tensor]:
-    """CPU copies of the adapter tensors, under peft's file names (what an adapter file holds)."""
+def adapter_state(model, state_dict: Optional[dict] = None) -> dict[str, torch.Tensor]:
+    """CPU copies of the adapter tensors, under peft's file names (what an adapter file holds), read from the model
+    or from `state_dict`, its (gathered) state dict."""
     from peft import get_peft_model_state_dict
 
-    return {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(model).items()}
+    state = get_peft_model_state_dict(model, state_dict=state_dict)
+    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
 
 
 def adapter_config(model) -> dict:
@@ -117,7 +119,7 @@ def read_adapter_config(adapter: str) -> dict:
         return json.load(f)
 
 
-def check_settings(rank: Optional[int], alpha: Optional[float], target_spec: str, *, engine: str, fsdp: bool,
+def check_settings(rank: Optional[int], alpha: Optional[float], target_spec: str, *, engine: str,
                    fused_lm_head: bool, weight_transfer: str, weight_swap: str) -> None:
     """TrainConfig.validate's LoRA part: the rules between the LoRA settings and the others (the range of each is
     its setting's own check)."""
@@ -135,8 +137,6 @@ def check_settings(rank: Optional[int], alpha: Optional[float], target_spec: str
         raise ValueError("lora_rank with engine server: each request keeps the adapter it named to its end and a new "
                          "adapter serves the requests sent after it, so no weights are swapped under a request; "
                          "leave weight_swap at wait")
-    if fsdp:
-        raise ValueError("lora_rank: LoRA runs with the model replicated on each trainer rank, not sharded (no fsdp)")
     if fused_lm_head:
         raise ValueError("lora_rank: fused_lm_head differentiates the LM head's weight, which LoRA freezes; use "
                          "fused_lm_head false")

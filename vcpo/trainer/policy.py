@@ -47,7 +47,8 @@ class Policy:
         self.trained = Adapter(cfg, dtype) if cfg.lora_rank is not None else FullModel(dtype)
         # FSDP2: a rank but 0 never holds the whole model, only its shard (Sharded); LoRA runs on one rank
         self.model = self.trained.skeleton(path) if cfg.fsdp and not ranks.main else self.trained.load(path)
-        self.placement = Sharded(self.model, ranks, PRECISIONS[cfg.precision][1]) if cfg.fsdp else \
+        self.placement = Sharded(self.model, ranks, PRECISIONS[cfg.precision][1],
+                                 trainable_only=cfg.lora_rank is not None) if cfg.fsdp else \
             Replicated(self.model, ranks)
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # with LoRA: the adapter alone
         self.optimizer = torch.optim.AdamW(trainable, lr=cfg.resolved_lr(), weight_decay=cfg.weight_decay)
@@ -174,11 +175,23 @@ class Adapter:
         self.adapter = lora.adapter_config(model)
         return model
 
+    def skeleton(self, path: str):
+        """The policy of `path` on the meta device (FSDP2's other ranks): the base model's modules with fresh
+        adapters of the run's settings, the structure an adapter checkpoint of this run loads into."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        base = lora.base_model_dir(path) if lora.is_adapter(path) else path
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base), dtype=self.dtype)
+            model = lora.wrap(model, self.rank, self.alpha, self.targets, self.seed)
+        self.adapter = lora.adapter_config(model)
+        return model
+
     def engine_model(self, start: str, base: str) -> str:
         return base
 
     def weights(self, model, placement) -> dict:
-        return lora.adapter_state(model)
+        return lora.adapter_state(model, placement.gathered())
 
 
 # -- how the ranks hold it ------------------------------------------------------------------------------------------
@@ -201,6 +214,10 @@ class Replicated:
     def full_weights(self) -> dict:
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
+    def gathered(self) -> None:
+        """The model's own tensors are whole: nothing gathered to read instead."""
+        return None
+
     def save(self, folder: str, optimizer: torch.optim.Optimizer) -> dict:
         """Rank 0: the model into `folder`; the optimizer's state to save beside it."""
         self.model.save_pretrained(folder, safe_serialization=True)
@@ -211,15 +228,21 @@ class Sharded:
     """`fsdp`: FSDP2 over the ranks; the full weights are gathered to rank 0 after each step, and the optimizer's
     state for each checkpoint (in torch.optim's layout: a checkpoint resumes with or without FSDP)."""
 
-    def __init__(self, model, ranks: TrainerRanks, compute_dtype: Optional[str] = None) -> None:
+    def __init__(self, model, ranks: TrainerRanks, compute_dtype: Optional[str] = None,
+                 trainable_only: bool = False) -> None:
         """`model`: rank 0's loaded from the files, the others' on the meta device (FullModel.skeleton);
-        `compute_dtype`: FSDP2's mixed precision (bf16-mixed), else None."""
-        self.model, self.ranks = model, ranks
+        `compute_dtype`: FSDP2's mixed precision (bf16-mixed), else None; `trainable_only`: after each step only
+        the trainable parameters are gathered (a LoRA adapter: the frozen base never moves)."""
+        self.model, self.ranks, self.trainable_only = model, ranks, trainable_only
         # rank 0 keeps the weights it read (not a copy: sharding gives the model new storage, and the engine takes
-        # these before the first step) for the engine's first weights, and sends each rank its shard of them
-        self._weights = {k: v.detach() for k, v in model.state_dict().items()} if ranks.main else None
+        # these before the first step) for the engine's first weights, and sends each rank its shard of them; a
+        # LoRA adapter is copied (sharding a peft model invalidates the storage of its trainable factors)
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad} if trainable_only else set()
+        self._weights = {k: v.detach().clone() if k in trainable else v.detach()
+                         for k, v in model.state_dict().items()} if ranks.main else None
         shard(model, ranks, compute_dtype)
-        load_full_weights(model, self._weights, ranks)
+        # a copy of the mapping: set_model_state_dict puts the shards in place of the values of the one it gets
+        load_full_weights(model, None if self._weights is None else dict(self._weights), ranks)
 
     def use_optimizer(self, optimizer: torch.optim.Optimizer, state: Optional[str]) -> None:
         """As Replicated's; besides, the other ranks take part in gathering its state for rank 0's checkpoints."""
@@ -229,9 +252,13 @@ class Sharded:
             load_full_optimizer_state(self.model, optimizer, full, self.ranks)
 
     def stepped(self) -> None:
-        self._weights = full_weights(self.model, self.ranks)  # every rank takes part in the gather
+        self._weights = full_weights(self.model, self.ranks, self.trainable_only)  # every rank takes part
 
     def full_weights(self) -> dict:
+        return self._weights
+
+    def gathered(self) -> dict:
+        """Rank 0: the state dict gathered after the last step (the whole one before the first)."""
         return self._weights
 
     def save(self, folder: str, optimizer: torch.optim.Optimizer) -> dict:

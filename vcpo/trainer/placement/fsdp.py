@@ -45,19 +45,19 @@ def load_full_weights(model: torch.nn.Module, weights: Optional[dict], ranks: Tr
         dist.broadcast(buffer, src=0, group=ranks.group)
 
 
-def _full():
+def _full(trainable_only: bool = False):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     # every rank takes part; each tensor is gathered, moved to the CPU of rank 0 alone, and freed on the device
-    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
 
 
-def full_weights(model: torch.nn.Module, ranks: TrainerRanks) -> Optional[dict]:
-    """Every rank: the sharded model's full state dict, gathered one tensor at a time; on rank 0 (CPU tensors),
-    None on the others."""
+def full_weights(model: torch.nn.Module, ranks: TrainerRanks, trainable_only: bool = False) -> Optional[dict]:
+    """Every rank: the sharded model's full state dict (`trainable_only`: its trainable parameters alone, a LoRA
+    adapter), gathered one tensor at a time; on rank 0 (CPU tensors), None on the others."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    weights = get_model_state_dict(model, options=_full())
+    weights = get_model_state_dict(model, options=_full(trainable_only))
     return weights if ranks.main else None
 
 
