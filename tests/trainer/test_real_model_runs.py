@@ -2,7 +2,7 @@
 a weight sync the in-process vLLM engine's sampled-token log-probs are the trainer's (k3 KL and mean importance
 weight, with stated tolerances, and the same check against the stale weights to show it can fail); and
 `vcpo train --model PATH.gguf` with LoRA on a server pool, in bf16 mixed precision, sampling with top-p and top-k
-(only the adapter synced), then `vcpo eval` on its checkpoint."""
+(only the adapter synced), then `vcpo eval` on its checkpoint; and on 2 FSDP2 ranks in bf16 mixed precision."""
 
 import json
 import os
@@ -114,3 +114,37 @@ def test_lora_run_from_the_gguf_file_then_eval(tmp_path):
     assert result["prompts"] == 8 and 0 <= result["greedy"]["accuracy"] <= 1
     samples = result["greedy"]["samples"]  # the scored responses beside the score
     assert len(samples) == 8 and all(s["response"] and s["reward"] in (0.0, 1.0) for s in samples)
+
+
+def test_fsdp2_bf16_mixed_run_from_the_gguf_file(tmp_path):
+    """Two steps of the real model on 2 FSDP2 ranks in bf16-mixed (bf16 units gathered, fp32 shards and
+    reductions), with a length reward so that every step has a gradient: the steps are taken, the engine/trainer
+    K3 KL at k = 0 and the ESS are those of bf16 numerics (bench/RESULTS.md, "Precision"), and the checkpoint's
+    weights and AdamW state are fp32."""
+    import torch
+    from safetensors import safe_open
+
+    data = tmp_path / "add.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {a} + {b}?", "answer": str(a + b)}) + "\n"
+                            for a in range(11, 31) for b in (19, 47)))
+    (tmp_path / "length_reward.py").write_text("def score(response, answer):\n    return len(response) / 50\n")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    folder = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "vcpo.trainer.cli", "train", "--model", smollm2_gguf(), "--data", str(data),
+         "--reward", "length_reward:score", "--steps", "2", "--prompts-per-step", "2", "--responses-per-prompt", "4",
+         "--max-new-tokens", "16", "--eval-size", "4", "--eval-every", "0", "--checkpoint-every", "2",
+         "--max-staleness", "0", "--engine", "process", "--trainer-ranks", "2", "--fsdp", "--precision",
+         "bf16-mixed", "--no-progress", "--output-dir", str(folder)], env=env, capture_output=True, text=True,
+        timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    rows = [json.loads(line) for line in open(folder / "metrics.jsonl") if line.strip()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:  # FSDP2's bf16 units round every weight, norms and embeddings too: measured 1e-3 and 1.4e-2
+        assert not r["skipped"] and r["grad_norm"] > 0 and 0 < r["kl_k3"] < 5e-2 and r["ess_ratio"] > 0.8, r
+    checkpoint = folder / "checkpoints" / "step-000002"
+    with safe_open(str(checkpoint / "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
+    state = torch.load(checkpoint / "optimizer.pt", weights_only=True)["state"]
+    assert {s["exp_avg"].dtype for s in state.values()} == {torch.float32}
