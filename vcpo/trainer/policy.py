@@ -45,7 +45,7 @@ class Policy:
         self.device, self.process_group, self.ranks = ranks.device, ranks.group, ranks
         dtype = getattr(torch, PRECISIONS[cfg.precision][0])  # the parameters' and the optimizer state's
         self.trained = Adapter(cfg, dtype) if cfg.lora_rank is not None else FullModel(dtype)
-        # FSDP2: a rank but 0 never holds the whole model, only its shard (Sharded); LoRA runs on one rank
+        # FSDP2: a rank but 0 never holds the whole model, only its shard (Sharded)
         self.model = self.trained.skeleton(path) if cfg.fsdp and not ranks.main else self.trained.load(path)
         self.placement = Sharded(self.model, ranks, PRECISIONS[cfg.precision][1],
                                  trainable_only=cfg.lora_rank is not None) if cfg.fsdp else \
@@ -230,7 +230,7 @@ class Sharded:
 
     def __init__(self, model, ranks: TrainerRanks, compute_dtype: Optional[str] = None,
                  trainable_only: bool = False) -> None:
-        """`model`: rank 0's loaded from the files, the others' on the meta device (FullModel.skeleton);
+        """`model`: rank 0's loaded from the files, the others' on the meta device (`skeleton`);
         `compute_dtype`: FSDP2's mixed precision (bf16-mixed), else None; `trainable_only`: after each step only
         the trainable parameters are gathered (a LoRA adapter: the frozen base never moves)."""
         self.model, self.ranks, self.trainable_only = model, ranks, trainable_only

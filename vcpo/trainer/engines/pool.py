@@ -369,8 +369,7 @@ class ServerPool(Engine):
             old, old_folder = self._adapters.pop(0)
             await asyncio.gather(*(self._control(s, "/v1/unload_lora_adapter", {"lora_name": old})
                                    for s in self.up()), return_exceptions=True)
-            if os.path.dirname(old_folder) == self.weights_dir and old_folder != folder:
-                shutil.rmtree(old_folder, ignore_errors=True)
+            shutil.rmtree(old_folder, ignore_errors=True)
 
     async def _load_adapter(self, s: Server, name: str, folder: str) -> None:
         t0 = time.perf_counter()
