@@ -69,6 +69,10 @@ ABLATIONS = {
     "vcpo-no-opob-linear": ["--loss", "vcpo", "--no-opob", "--lr-rule", "linear"],
     "ppo-ess-linear": ["--loss", "ppo", "--ess-scaling", "--lr-rule", "linear"],
 }
+# The peers' stabilisers (vcpo train's presets), alone and with VCPO's ESS-scaled step: on request
+PEERS = ("gspo", "gmpo", "cispo", "dppo", "sapo", "icepop")
+PEER_RULES = {**{rule: ["--loss", rule] for rule in PEERS},
+              **{f"{rule}-ess": ["--loss", rule, "--ess-scaling"] for rule in PEERS}}
 # The rules above at a constant lr, the only schedule before 0eb50e8 (every summary of rule r at an older commit ran at
 # a constant lr); these with the lr decayed over the run, `vcpo train`'s default since
 # (bench/RESULTS.md, "The main job with a decaying lr").
@@ -80,6 +84,7 @@ SCHEDULES = {
 GRID = list(RULES)
 RULES.update(OPOB_VARIANTS)
 RULES.update(ABLATIONS)
+RULES.update(PEER_RULES)
 RULES = {name: [*argv, "--lr-schedule", "constant"] for name, argv in RULES.items()}
 RULES.update(SCHEDULES)
 CONTROL = "@vcpo-lr"  # suffix of a control run: the rule at lr x VCPO's median lr scale (same k, same seed)

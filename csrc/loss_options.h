@@ -27,6 +27,8 @@ struct LossOptions {
   LossAgg loss_agg;
   OpobAggregation opob_aggregation;  // the CUDA kernels have the mean only (refused in Python otherwise)
   bool opob_leave_one_out;           // A_i against b_-i, the weighted mean of the other members
+  TrustRegion trust_region;          // the rules beyond None and Ppo: the CPU kernels' only
+  double sapo_tau_pos, sapo_tau_neg;
   double log_threshold, log_threshold_low;  // log C, log C_low
   double ess_base_ratio;
   std::optional<double> clip_low, clip_high, clip_c;  // PPO clipping and its dual clip, when on
@@ -59,6 +61,9 @@ inline LossOptions unpack_loss_options(c10::ArrayRef<int64_t> codes, c10::ArrayR
   o.loss_agg = static_cast<LossAgg>(codes[kLossAgg]);
   o.opob_aggregation = static_cast<OpobAggregation>(codes[kOpobAggregation]);
   o.opob_leave_one_out = codes[kOpobLeaveOneOut] != 0;
+  o.trust_region = static_cast<TrustRegion>(codes[kTrustRegion]);
+  o.sapo_tau_pos = values[kSapoTauPos];
+  o.sapo_tau_neg = values[kSapoTauNeg];
   o.log_threshold = values[kLogThreshold];
   o.log_threshold_low = values[kLogThresholdLow];
   o.ess_base_ratio = values[kEssBaseRatio];
@@ -82,10 +87,13 @@ struct LossParams {
   IsLevel level;
   IsCorrection correction;
   real_t log_hi, log_lo;  // log C and log C_low
-  bool clip;
+  TrustRegion rule;
+  bool clip;                  // PPO's clip of the ratio (Ppo, Gspo)
   real_t ratio_lo, ratio_hi;  // 1 - eps_low, 1 + eps_high
-  bool dual_clip;
+  real_t eps_lo, eps_hi;      // the bounds as given (Gmpo: of log rho; DppoTv: of pi - pi_anchor)
+  bool dual_clip;             // Ppo, Gspo: the dual clip at dual_c; DppoTv: the ratio capped at dual_c
   real_t dual_c;
+  real_t tau_pos, tau_neg;    // Sapo's gate
   bool reject_k1, reject_k2, reject_k3;  // token_k1/k2/k3 criteria: log r in [k1_lo, k1_hi], k2 <= k2_hi, ...
   real_t k1_lo, k1_hi, k2_hi, k3_hi;
   bool token_reject() const { return reject_k1 || reject_k2 || reject_k3; }
@@ -98,11 +106,17 @@ LossParams<real_t> loss_params(const LossOptions& o) {
   p.correction = o.is_correction;
   p.log_hi = static_cast<real_t>(o.log_threshold);
   p.log_lo = static_cast<real_t>(o.log_threshold_low);
-  p.clip = o.clip_low.has_value() && o.clip_high.has_value();
+  p.rule = o.trust_region;
+  p.clip = (p.rule == TrustRegion::Ppo || p.rule == TrustRegion::Gspo) && o.clip_low.has_value() &&
+           o.clip_high.has_value();
   p.ratio_lo = static_cast<real_t>(1.0 - o.clip_low.value_or(0.0));
   p.ratio_hi = static_cast<real_t>(1.0 + o.clip_high.value_or(0.0));
-  p.dual_clip = p.clip && o.clip_c.has_value();
+  p.eps_lo = static_cast<real_t>(o.clip_low.value_or(0.0));
+  p.eps_hi = static_cast<real_t>(o.clip_high.value_or(0.0));
+  p.dual_clip = o.clip_c.has_value();
   p.dual_c = static_cast<real_t>(o.clip_c.value_or(0.0));
+  p.tau_pos = static_cast<real_t>(o.sapo_tau_pos);
+  p.tau_neg = static_cast<real_t>(o.sapo_tau_neg);
   p.reject_k1 = o.rejects(Rejection::TokenK1);
   p.reject_k2 = o.rejects(Rejection::TokenK2);
   p.reject_k3 = o.rejects(Rejection::TokenK3);

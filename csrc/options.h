@@ -14,6 +14,7 @@ enum class OpobWeight : int64_t { Raw = 0, Truncated = 1, ReferenceCompat = 2 };
 enum class LossAgg : int64_t { TokenMean = 0, SeqMeanTokenMean = 1, SeqMeanTokenSum = 2, SeqMeanTokenSumNorm = 3 };
 enum class OpobAggregation : int64_t { Mean = 0, Median = 1, WinsorizedMean = 2 };
 enum class Rejection : int64_t { TokenK1 = 0, TokenK2 = 1, TokenK3 = 2, SeqSumK1 = 3, SeqSumK2 = 4, SeqSumK3 = 5, SeqMeanK1 = 6, SeqMeanK2 = 7, SeqMeanK3 = 8, SeqMaxK2 = 9, SeqMaxK3 = 10 };
+enum class TrustRegion : int64_t { None = 0, Ppo = 1, Gspo = 2, Gmpo = 3, Cispo = 4, DppoTv = 5, Sapo = 6 };
 
 constexpr int64_t kNumRejection = 11;
 
@@ -45,7 +46,8 @@ enum LossCode : int64_t {
   kOpobAggregation = 9,
   kRejection = 10,
   kOpobLeaveOneOut = 11,
-  kNumLossCodes = 12,
+  kTrustRegion = 12,
+  kNumLossCodes = 13,
 };
 enum LossValue : int64_t {
   kLogThreshold = 0,
@@ -57,29 +59,31 @@ enum LossValue : int64_t {
   kNormLength = 6,
   kWinsorizeLow = 7,
   kWinsorizeHigh = 8,
-  kTokenK1Low = 9,
-  kTokenK1High = 10,
-  kTokenK2Low = 11,
-  kTokenK2High = 12,
-  kTokenK3Low = 13,
-  kTokenK3High = 14,
-  kSeqSumK1Low = 15,
-  kSeqSumK1High = 16,
-  kSeqSumK2Low = 17,
-  kSeqSumK2High = 18,
-  kSeqSumK3Low = 19,
-  kSeqSumK3High = 20,
-  kSeqMeanK1Low = 21,
-  kSeqMeanK1High = 22,
-  kSeqMeanK2Low = 23,
-  kSeqMeanK2High = 24,
-  kSeqMeanK3Low = 25,
-  kSeqMeanK3High = 26,
-  kSeqMaxK2Low = 27,
-  kSeqMaxK2High = 28,
-  kSeqMaxK3Low = 29,
-  kSeqMaxK3High = 30,
-  kNumLossValues = 31,
+  kSapoTauPos = 9,
+  kSapoTauNeg = 10,
+  kTokenK1Low = 11,
+  kTokenK1High = 12,
+  kTokenK2Low = 13,
+  kTokenK2High = 14,
+  kTokenK3Low = 15,
+  kTokenK3High = 16,
+  kSeqSumK1Low = 17,
+  kSeqSumK1High = 18,
+  kSeqSumK2Low = 19,
+  kSeqSumK2High = 20,
+  kSeqSumK3Low = 21,
+  kSeqSumK3High = 22,
+  kSeqMeanK1Low = 23,
+  kSeqMeanK1High = 24,
+  kSeqMeanK2Low = 25,
+  kSeqMeanK2High = 26,
+  kSeqMeanK3Low = 27,
+  kSeqMeanK3High = 28,
+  kSeqMaxK2Low = 29,
+  kSeqMaxK2High = 30,
+  kSeqMaxK3Low = 31,
+  kSeqMaxK3High = 32,
+  kNumLossValues = 33,
 };
 
 // The LossValue of each Rejection criterion's low and high bound, in Rejection order.

@@ -119,8 +119,10 @@ def _autocast(config: VCPOConfig, device: torch.device):
 
 def _bookkeeping_exact(config: VCPOConfig, batch: RolloutBatch) -> bool:
     """Book-keeping needs d loss / d log pi constant within each sequence: the ratio r must be 1 (bypass
-    mode) and the IS coefficient per sequence (not per token, nor a token-level rejection criterion)."""
-    return batch.old_logp is None and config.is_level != "token" and not config.token_rejection
+    mode without a trust region) and the IS coefficient per sequence (not per token, nor a token-level rejection
+    criterion)."""
+    return batch.old_logp is None and config.is_level != "token" and not config.token_rejection and \
+        config.trust_rule == "none"
 
 
 def _average_gradients(params: list, group, sums: Tensor) -> None:
@@ -345,8 +347,8 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatc
           process_group) -> dict[str, float]:
     exact_ok = _bookkeeping_exact(config, batch)
     if config.assembly == "bookkeeping" and not exact_ok:
-        raise ValueError("assembly='bookkeeping' needs bypass mode (no old_logp), is_level != 'token' and no "
-                         "token-level rejection criterion; use assembly='two_pass' or 'auto'")
+        raise ValueError("assembly='bookkeeping' needs bypass mode (no old_logp), no trust region, is_level != "
+                         "'token' and no token-level rejection criterion; use assembly='two_pass' or 'auto'")
     # Book-keeping rebuilds every parameter's gradient from the recorded layers: all of them must be recorded.
     if config.assembly == "bookkeeping" and config.grad_norms != "exact":
         raise ValueError("assembly='bookkeeping' needs grad_norms='exact' (every layer recorded)")

@@ -216,6 +216,10 @@ def policy_loss(
         opts = opts.replace(**option_overrides)
     check = _validating(validate)
     tokens = token_batch(logp, behavior_logp, old_logp, mask, cu_seqlens, check)
+    if tokens.old_logp is None and opts.trust_rule != "none" and opts.is_correction == "truncate":
+        raise ValueError(f"trust_region={opts.trust_rule!r} in bypass mode (no old_logp) reads the ratio pi / mu, "
+                         "which is the importance weight itself: is_correction='truncate' would weight each unit a "
+                         "second time; use is_correction='none' (or 'mask'), or pass old_logp")
     seq = sequence_batch(tokens, rewards, advantages, group_index, num_groups, grad_sq_norm, opts.batch_baseline,
                          check)
     norm_length = opts.norm_length

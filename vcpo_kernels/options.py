@@ -20,6 +20,11 @@ OPOB_SCOPES = ("group", "batch")
 OPOB_WEIGHTS = {"raw": 0, "truncated": 1, "reference-compat": 2}
 # How OPOB forms b_g from the group's rewards and weights W_j (docs/contract.md, "Advantages").
 OPOB_AGGREGATIONS = {"mean": 0, "median": 1, "winsorized_mean": 2}
+# The trust region: what the per-token surrogate does with the ratio pi / pi_anchor (docs/contract.md, "Trust
+# regions"). The rules that read clip_ratio, and those whose value is linear in log pi (REINFORCE-style).
+TRUST_REGIONS = {"none": 0, "ppo": 1, "gspo": 2, "gmpo": 3, "cispo": 4, "dppo_tv": 5, "sapo": 6}
+CLIPPED_RULES = ("ppo", "gspo", "gmpo", "cispo", "dppo_tv")
+LINEAR_IN_LOGP = ("cispo", "dppo_tv")
 # verl's rejection criteria (rollout_rs): the per-token divergence k1 = Delta, k2 = Delta^2 / 2,
 # k3 = exp(Delta) - 1 - Delta, taken per token or summed, averaged or maximised over the sequence.
 REJECTION_CRITERIA = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
@@ -51,12 +56,12 @@ SCALAR_FIELDS = (
 # The fused op's scalar options, packed by position into `int[] codes` and `float[] values` (an absent clip
 # bound is NaN); PolicyLossOptions.packed() fills them, csrc/loss_options.h unpacks them.
 LOSS_CODES = ("is_level", "is_correction", "ess_on_corrected", "lr_rule", "advantage", "norm_by_std",
-              "opob_length_norm", "opob_weight", "loss_agg", "opob_aggregation", "rejection", "opob_leave_one_out")
+              "opob_length_norm", "opob_weight", "loss_agg", "opob_aggregation", "rejection", "opob_leave_one_out", "trust_region")
 # The rejection criteria in use are the bits of code "rejection" (bit j: REJECTION_CRITERIA[j]); each has a low and
 # a high bound value, in that order and criterion order: log r bounds for k1 (the entries' intersection), the
 # least upper bound for k2 and k3 (low unused).
 LOSS_VALUES = ("log_threshold", "log_threshold_low", "ess_base_ratio", "clip_low", "clip_high", "clip_c",
-               "norm_length", "winsorize_low", "winsorize_high") + tuple(
+               "norm_length", "winsorize_low", "winsorize_high", "sapo_tau_pos", "sapo_tau_neg") + tuple(
                    f"{name}_{side}" for name in REJECTION_CRITERIA for side in ("low", "high"))
 # C++ enum -> codes, for csrc/options.h.
 _ENUMS = {
@@ -68,6 +73,7 @@ _ENUMS = {
     "LossAgg": LOSS_AGG_MODES,
     "OpobAggregation": OPOB_AGGREGATIONS,
     "Rejection": {name: j for j, name in enumerate(REJECTION_CRITERIA)},
+    "TrustRegion": TRUST_REGIONS,
 }
 
 
@@ -111,6 +117,10 @@ class PolicyLossOptions:
     is_batch_normalize: bool = False
     # OPOB's baseline of sequence i over the other members of its group (or batch) only: b_-i.
     opob_leave_one_out: bool = False
+    # The trust region (TRUST_REGIONS); None: "ppo" when clip_ratio is given, else "none" (trust_rule).
+    trust_region: Optional[str] = None
+    # SAPO's gate temperatures (tau_pos, tau_neg): for tokens with A > 0, and the others.
+    sapo_tau: Tuple[float, float] = (1.0, 1.05)
 
     def __post_init__(self) -> None:
         _choice("is_level", self.is_level, IS_LEVELS)
@@ -133,21 +143,7 @@ class PolicyLossOptions:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.opob_truncated_weights and self.reference_compat:
             raise ValueError("opob_truncated_weights and reference_compat are exclusive: choose one OPOB weight")
-        if self.clip_ratio is not None:
-            if not isinstance(self.clip_ratio, (tuple, list)) or len(self.clip_ratio) != 2:
-                raise ValueError(f"clip_ratio must be a pair (eps_low, eps_high) or None, got {self.clip_ratio!r}")
-            low, high = self.clip_ratio
-            for side, eps in (("eps_low", low), ("eps_high", high)):
-                if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
-                    raise ValueError(f"clip_ratio {side} must be a finite number >= 0, got {eps!r}")
-            if low >= 1:
-                raise ValueError(f"clip_ratio eps_low must be < 1, got {low!r}")
-            object.__setattr__(self, "clip_ratio", (float(low), float(high)))
-        if self.clip_ratio_c is not None:
-            if self.clip_ratio is None:
-                raise ValueError("clip_ratio_c (dual clip) needs clip_ratio")
-            if _positive("clip_ratio_c", self.clip_ratio_c) <= 1:
-                raise ValueError(f"clip_ratio_c must be > 1, got {self.clip_ratio_c!r}")
+        self._check_trust_region()
         if self.norm_length is not None:
             _positive("norm_length", self.norm_length)
         _choice("opob_aggregation", self.opob_aggregation, OPOB_AGGREGATIONS)
@@ -164,6 +160,46 @@ class PolicyLossOptions:
         object.__setattr__(self, "rejection", _rejection(self.rejection))
         if not isinstance(self.is_batch_normalize, bool):
             raise ValueError(f"is_batch_normalize must be a bool, got {self.is_batch_normalize!r}")
+
+    def _check_trust_region(self) -> None:
+        if self.trust_region is not None:
+            _choice("trust_region", self.trust_region, TRUST_REGIONS)
+        rule = self.trust_rule
+        if self.clip_ratio is not None:
+            if rule not in CLIPPED_RULES:
+                raise ValueError(f"clip_ratio is not read by trust_region={rule!r}: the bounds belong to one of "
+                                 f"{list(CLIPPED_RULES)}")
+            if not isinstance(self.clip_ratio, (tuple, list)) or len(self.clip_ratio) != 2:
+                raise ValueError(f"clip_ratio must be a pair (eps_low, eps_high) or None, got {self.clip_ratio!r}")
+            low, high = self.clip_ratio
+            for side, eps in (("eps_low", low), ("eps_high", high)):
+                if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
+                    raise ValueError(f"clip_ratio {side} must be a finite number >= 0, got {eps!r}")
+            if low >= 1 and rule in ("ppo", "gspo"):
+                raise ValueError(f"clip_ratio eps_low must be < 1 for trust_region={rule!r}, got {low!r}")
+            object.__setattr__(self, "clip_ratio", (float(low), float(high)))
+        elif rule in CLIPPED_RULES:
+            raise ValueError(f"trust_region={rule!r} needs clip_ratio=(eps_low, eps_high)")
+        if self.clip_ratio_c is not None:
+            if rule not in ("ppo", "gspo", "dppo_tv"):
+                raise ValueError(f"clip_ratio_c is the dual clip of 'ppo' and 'gspo' and the ratio cap of 'dppo_tv', "
+                                 f"not an option of trust_region={rule!r}")
+            if _positive("clip_ratio_c", self.clip_ratio_c) <= 1:
+                raise ValueError(f"clip_ratio_c must be > 1, got {self.clip_ratio_c!r}")
+        tau = self.sapo_tau
+        if not isinstance(tau, (tuple, list)) or len(tau) != 2:
+            raise ValueError(f"sapo_tau must be a pair (tau_pos, tau_neg), got {tau!r}")
+        object.__setattr__(self, "sapo_tau", (_positive("sapo_tau tau_pos", tau[0]),
+                                              _positive("sapo_tau tau_neg", tau[1])))
+        if self.sapo_tau != PolicyLossOptions.sapo_tau and rule != "sapo":
+            raise ValueError(f"sapo_tau is read by trust_region='sapo' only, not {rule!r}")
+
+    @property
+    def trust_rule(self) -> str:
+        """The trust region in use: trust_region, or for None "ppo" when clip_ratio is given, else "none"."""
+        if self.trust_region is not None:
+            return self.trust_region
+        return "ppo" if self.clip_ratio is not None else "none"
 
     @property
     def threshold_low(self) -> float:
@@ -183,14 +219,16 @@ class PolicyLossOptions:
                      opob_length_norm=int(self.opob_length_norm), opob_weight=self.opob_weight_code,
                      loss_agg=LOSS_AGG_MODES[self.loss_agg_mode],
                      opob_aggregation=OPOB_AGGREGATIONS[self.opob_aggregation],
-                     rejection=0, opob_leave_one_out=int(self.opob_leave_one_out))
+                     rejection=0, opob_leave_one_out=int(self.opob_leave_one_out),
+                     trust_region=TRUST_REGIONS[self.trust_rule])
         for name, _, _ in self.rejection:
             codes["rejection"] |= 1 << REJECTION_CRITERIA.index(name)
         values = dict(log_threshold=math.log(self.is_threshold), log_threshold_low=math.log(self.threshold_low),
                       ess_base_ratio=self.ess_base_ratio, clip_low=clip_low, clip_high=clip_high,
                       clip_c=math.nan if self.clip_ratio_c is None else float(self.clip_ratio_c),
                       norm_length=0.0 if norm_length is None else float(norm_length),
-                      winsorize_low=self.opob_winsorize_quantiles[0], winsorize_high=self.opob_winsorize_quantiles[1])
+                      winsorize_low=self.opob_winsorize_quantiles[0], winsorize_high=self.opob_winsorize_quantiles[1],
+                      sapo_tau_pos=self.sapo_tau[0], sapo_tau_neg=self.sapo_tau[1])
         for name in REJECTION_CRITERIA:  # plain loops: torch.compile traces this
             k1 = name.endswith("k1")
             low, high = (-math.inf if k1 else 0.0), math.inf

@@ -15,11 +15,11 @@
 
 namespace vcpo {
 
-// Whether r or c vary within a sequence. If not (bypass mode, sequence-level weights), every counted token of
-// sequence i has loss -c_i A_i and gradient -a_i c_i A_i, and no token pass is needed.
+// Whether r or c vary within a sequence. If not (bypass mode without a trust region, sequence-level weights), every
+// counted token of sequence i has loss -c_i A_i and gradient -a_i c_i A_i, and no token pass is needed.
 template <typename acc_t>
 inline bool needs_token_pass(const TokenView& v, const LossParams<acc_t>& p) {
-  return v.old_logp != nullptr || p.level == IsLevel::Token || p.token_reject();
+  return v.old_logp != nullptr || p.level == IsLevel::Token || p.token_reject() || p.rule != TrustRegion::None;
 }
 
 // Whether a sequence-level rejection criterion (seq_sum / seq_mean / seq_max) rejects sequence i.

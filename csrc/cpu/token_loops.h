@@ -6,6 +6,7 @@
 #include "logit_rows.h"
 #include "sequence_stats.h"
 #include "token_pass.h"
+#include "trust_region.h"
 
 // Declarations of the loops of one instruction set.
 #define VCPO_DECLARE_LOOPS(ISA)                                                                             \

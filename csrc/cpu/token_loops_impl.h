@@ -20,6 +20,19 @@ template <bool WriteGrad, bool TokenLevel, typename lp_t, typename ref_t, typena
 void token_pass_range(const TokenView& v, int64_t first, int64_t last, const acc_t* adv, const acc_t* grad_scale,
                       const LossParams<acc_t>& p, const TokenSums<acc_t>& sums, lp_t* grad) {
   const bool has_old = v.old_logp != nullptr, has_mask = v.mask != nullptr;
+  if (p.rule != TrustRegion::None && p.rule != TrustRegion::Ppo) {
+    for (int64_t i = first; i < last; ++i) {
+      if (has_old && has_mask)
+        trust_region_pass_one<true, true, TokenLevel, WriteGrad, lp_t, ref_t, acc_t>(v, i, adv[i], grad_scale[i], p, sums, grad);
+      else if (has_old)
+        trust_region_pass_one<true, false, TokenLevel, WriteGrad, lp_t, ref_t, acc_t>(v, i, adv[i], grad_scale[i], p, sums, grad);
+      else if (has_mask)
+        trust_region_pass_one<false, true, TokenLevel, WriteGrad, lp_t, ref_t, acc_t>(v, i, adv[i], grad_scale[i], p, sums, grad);
+      else
+        trust_region_pass_one<false, false, TokenLevel, WriteGrad, lp_t, ref_t, acc_t>(v, i, adv[i], grad_scale[i], p, sums, grad);
+    }
+    return;
+  }
   for (int64_t i = first; i < last; ++i) {
     if (has_old && has_mask)
       token_pass_one<true, true, TokenLevel, WriteGrad, lp_t, ref_t, acc_t>(v, i, adv[i], grad_scale[i], p, sums, grad);

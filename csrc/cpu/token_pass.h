@@ -30,8 +30,15 @@ struct TokenSums {
   acc_t* loss;         // sum_t c_tok * p(r)
   acc_t* changed;      // token-level units the IS correction changed
   acc_t* coef;         // sum_t c_tok
-  acc_t* ppo_clipped;  // tokens on a PPO clip branch
+  acc_t* ppo_clipped;  // tokens the trust region acted on
   acc_t* rejected;     // tokens a token_k* rejection criterion removed
+  VCPO_INLINE void store(int64_t i, acc_t l, acc_t ch, acc_t co, acc_t cl, acc_t re) const {
+    loss[i] = l;
+    changed[i] = ch;
+    coef[i] = co;
+    ppo_clipped[i] = cl;
+    rejected[i] = re;
+  }
 };
 
 // Whether a token_k* criterion rejects the token with log ratio d (a NaN statistic fails).
@@ -55,6 +62,8 @@ VCPO_INLINE void token_pass_one(const TokenView& v, int64_t i, acc_t adv, acc_t 
   const ref_t* old = static_cast<const ref_t*>(v.old_logp);
   const bool* mask = v.mask;
   const int64_t begin = v.cu_seqlens[i], end = v.cu_seqlens[i + 1];
+  // The ratio's anchor: old_logp; in bypass mode the behaviour policy under PPO's clip, else r = 1.
+  const bool mu_anchor = !HasOld && p.rule != TrustRegion::None;
   const bool dual = p.dual_clip && adv < 0;
   const acc_t dual_limit = -adv * p.dual_c;
   acc_t loss = 0, changed = 0, coef_sum = 0, clipped = 0, rejected = 0;
@@ -78,7 +87,8 @@ VCPO_INLINE void token_pass_one(const TokenView& v, int64_t i, acc_t adv, acc_t 
     // A unit the correction removed (c = 0) contributes exactly 0, even where r or the advantage are not
     // finite (e.g. lp_prox = -inf): selected away, never multiplied by 0.
     const bool dropped = c == acc_t(0) || grad_scale == acc_t(0);
-    const acc_t r = HasOld ? exp_fast(dropped ? acc_t(0) : cur - prox) : acc_t(1);
+    const acc_t anchor = mu_anchor ? keep(load<acc_t>(mu, t), counted) : prox;
+    const acc_t r = HasOld || mu_anchor ? exp_fast(dropped ? acc_t(0) : cur - anchor) : acc_t(1);
     const acc_t p1 = -adv * r;
     acc_t val = p1, dval = -adv;  // d p / d r
     bool on_clip = false;
@@ -98,13 +108,7 @@ VCPO_INLINE void token_pass_one(const TokenView& v, int64_t i, acc_t adv, acc_t 
     clipped += keep(on_clip ? acc_t(1) : acc_t(0), counted);
     if (WriteGrad) store(grad, t, keep(dropped ? acc_t(0) : grad_scale * c * dval * r, counted));
   }
-  if (!WriteGrad) {
-    sums.loss[i] = loss;
-    sums.changed[i] = changed;
-    sums.coef[i] = coef_sum;
-    sums.ppo_clipped[i] = clipped;
-    sums.rejected[i] = rejected;
-  }
+  if (!WriteGrad) sums.store(i, loss, changed, coef_sum, clipped, rejected);
 }
 
 }  // namespace vcpo

@@ -58,6 +58,29 @@ Tensor sequence_sums(const Tokens& t, int64_t grid, const at::TensorOptions& opt
   return out;
 }
 
+// GSPO's and GMPO's ratio of each sequence [B], exp of the mean log ratio over its kept tokens (GMPO: each clipped on
+// the advantage's side); undefined for the other rules.
+template <typename lp_t, typename ref_t>
+Tensor sequence_ratios(const Tokens& t, int64_t grid, const Params& p, const Tensor& adv, const Tensor& grad_scale,
+                       const at::TensorOptions& opts) {
+  using acc_t = acc_type<lp_t>;
+  if (p.rule != TrustRegion::Gspo && p.rule != TrustRegion::Gmpo) return Tensor();
+  auto stream = at::cuda::getCurrentCUDAStream();
+  Tensor partials = at::zeros({std::max<int64_t>(grid, 1), 2}, opts);
+  if (grid > 0 && t.num_seqs > 0) {
+    token_pass_kernel<false, true, lp_t, ref_t, acc_t><<<grid, kThreads, 0, stream>>>(
+        t, p, adv.data_ptr<acc_t>(), grad_scale.data_ptr<acc_t>(), nullptr, nullptr, partials.data_ptr<acc_t>(),
+        nullptr);
+  }
+  Tensor sums = at::zeros({2, t.num_seqs}, opts);
+  if (t.num_seqs > 0) {
+    combine_kernel<acc_t><<<blocks_for(t.num_seqs), kThreads, 0, stream>>>(
+        partials.data_ptr<acc_t>(), t.chunk_end, t.num_seqs, partials.size(0), 2, sums.data_ptr<acc_t>());
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return at::exp(sums[0] / sums[1].clamp_min(1)).contiguous();
+}
+
 std::tuple<Tensor, Tensor, Tensor> sequence_stats_cuda(const Tensor& logp, const Tensor& behavior_logp,
                                                        const OptTensor& old_logp, const OptTensor& mask,
                                                        const Tensor& cu_seqlens) {
@@ -149,11 +172,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> policy_loss_cuda(
                      o.opob_length_norm, o.opob_weight, o.log_threshold, nullptr, nullptr, o.opob_leave_one_out};
       std::tie(baseline, adv, share) = advantages<acc_t>(g, group_index, o.advantage, o.norm_by_std, opts);
     }
-    const bool token_pass = old_logp.has_value() || o.is_level == IsLevel::Token;
+    const bool token_pass = old_logp.has_value() || o.is_level == IsLevel::Token || p.rule != TrustRegion::None;
+    const Tensor rho = sequence_ratios<lp_t, ref_t>(t, grid, p, adv, grad_scale, opts);
     Tensor partials = at::zeros({std::max<int64_t>(grid, 1), 4}, opts);
     if (token_pass && grid > 0 && b > 0) {
-      token_pass_kernel<false, lp_t, ref_t, acc_t><<<grid, kThreads, 0, stream>>>(
-          t, p, adv.data_ptr<acc_t>(), grad_scale.data_ptr<acc_t>(), nullptr, partials.data_ptr<acc_t>(), nullptr);
+      token_pass_kernel<false, false, lp_t, ref_t, acc_t><<<grid, kThreads, 0, stream>>>(
+          t, p, adv.data_ptr<acc_t>(), grad_scale.data_ptr<acc_t>(), rho.defined() ? rho.data_ptr<acc_t>() : nullptr,
+          nullptr, partials.data_ptr<acc_t>(), nullptr);
     }
     finish_kernel<acc_t><<<1, kThreads, 0, stream>>>(
         partials.data_ptr<acc_t>(), token_pass ? grid : 0, work.data_ptr<double>(), grad_scale.data_ptr<acc_t>(),
@@ -185,9 +210,11 @@ Tensor policy_loss_backward_cuda(const Tensor& grad_loss, const Tensor& logp, co
     using lp_t = decltype(lp);
     using ref_t = decltype(ref);
     using acc_t = acc_type<lp_t>;
-    token_pass_kernel<true, lp_t, ref_t, acc_t><<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-        t, p, advantages_in.data_ptr<acc_t>(), grad_scale.data_ptr<acc_t>(), g.data_ptr<acc_t>(), nullptr,
-        grad.data_ptr<lp_t>());
+    // GSPO's and GMPO's sequence ratios, formed again as in the forward (the same kernels on the same inputs)
+    const Tensor rho = sequence_ratios<lp_t, ref_t>(t, grid, p, advantages_in, grad_scale, grad_scale.options());
+    token_pass_kernel<true, false, lp_t, ref_t, acc_t><<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+        t, p, advantages_in.data_ptr<acc_t>(), grad_scale.data_ptr<acc_t>(),
+        rho.defined() ? rho.data_ptr<acc_t>() : nullptr, g.data_ptr<acc_t>(), nullptr, grad.data_ptr<lp_t>());
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return grad;

@@ -75,18 +75,61 @@ __global__ void batch_step_kernel(const acc_t* s, const acc_t* length, const acc
   }
 }
 
-// One chunk of tokens. Forward (WriteGrad false): partial sums of c p(r) (times grad_scale), changed units, c
-// and clipped tokens. Backward: grad[t] = g grad_scale c (d p / d r) r, exactly 0 where the token does not
-// count or its unit was removed (c = 0), even where r or A are not finite.
-template <bool WriteGrad, typename lp_t, typename ref_t, typename acc_t>
+// p, d p / d lp and whether the rule acted, for the rules beyond PPO's clip of a ratio (docs/contract.md, "Trust
+// regions"); d = lp - lp_anchor, rho_seq the sequence's ratio of GSPO and GMPO.
+template <typename acc_t>
+struct Surrogate {
+  acc_t val, dlp;
+  bool acted;
+};
+
+template <typename acc_t>
+__device__ __forceinline__ Surrogate<acc_t> rule_terms(acc_t cur, acc_t anchor, acc_t d, acc_t rho_seq, acc_t adv,
+                                                        const Params& p) {
+  const acc_t eps_lo = acc_t(p.eps_lo), eps_hi = acc_t(p.eps_hi);
+  if (p.rule == TrustRegion::Gmpo) {
+    const bool inside = adv > 0 ? !(d > eps_hi) : adv < 0 ? !(d < -eps_lo) : true;
+    return {-adv * rho_seq, inside ? -adv * rho_seq : acc_t(0), !inside};
+  }
+  const acc_t rho = exp(d);
+  if (p.rule == TrustRegion::Cispo) {
+    const acc_t w = rho < acc_t(p.ratio_lo) ? acc_t(p.ratio_lo) : (rho > acc_t(p.ratio_hi) ? acc_t(p.ratio_hi) : rho);
+    return {-adv * w * cur, -adv * w, w != rho};
+  }
+  if (p.rule == TrustRegion::DppoTv) {
+    const acc_t moved = exp(cur) - exp(anchor);
+    const bool inside = adv > 0 ? moved <= eps_hi : moved >= -eps_lo;
+    const acc_t w = !inside ? acc_t(0) : (p.dual_clip && rho > acc_t(p.dual_c) ? acc_t(p.dual_c) : rho);
+    return {-adv * w * cur, -adv * w, !inside};
+  }
+  // Sapo: the gate (4 / tau) sigmoid(tau (rho - 1)); its slope 4 s (1 - s) rho from e = exp(-|x|), 0 where rho
+  // overflows (not 0 * inf)
+  const acc_t tau = adv > 0 ? acc_t(p.tau_pos) : acc_t(p.tau_neg);
+  const acc_t x = tau * (rho - 1);
+  const acc_t e = exp(-fabs(x));
+  const acc_t sig = x >= 0 ? 1 / (1 + e) : e / (1 + e);
+  const acc_t slope = isinf(rho) ? acc_t(0) : 4 * e / ((1 + e) * (1 + e)) * rho;
+  return {-adv * 4 / tau * sig, -adv * slope, false};
+}
+
+// One chunk of tokens. Forward (WriteGrad false): partial sums of c p (times grad_scale), changed units, c and the
+// tokens the trust region acted on. Backward: grad[t] = g grad_scale c (d p / d lp), exactly 0 where the token does
+// not count or its unit was removed (c = 0), even where r or A are not finite. SeqPass (GSPO, GMPO): the partial
+// sums of the kept tokens' log ratios (GMPO: clipped on the advantage's side) and their count.
+template <bool WriteGrad, bool SeqPass, typename lp_t, typename ref_t, typename acc_t>
 __global__ void token_pass_kernel(Tokens t, Params p, const acc_t* adv_in, const acc_t* grad_scale,
-                                  const acc_t* grad_loss, acc_t* partials, lp_t* grad) {
+                                  const acc_t* rho_seq, const acc_t* grad_loss, acc_t* partials, lp_t* grad) {
   const Span sp = chunk_span(t, blockIdx.x);
   if (sp.seq >= t.num_seqs) return;
   const acc_t adv = adv_in[sp.seq];
   const acc_t gs = grad_scale[sp.seq] * (WriteGrad ? *grad_loss : acc_t(1));
+  const acc_t rho = rho_seq != nullptr ? rho_seq[sp.seq] : acc_t(1);
   const bool token_level = p.level == IsLevel::Token, has_old = t.old != nullptr;
-  acc_t loss = 0, changed = 0, coef_sum = 0, clipped = 0;
+  // the ratio's anchor: old_logp; in bypass mode the behaviour policy under a trust region, else r = 1
+  const bool mu_anchor = !has_old && p.rule != TrustRegion::None;
+  const bool linear_in_lp = p.rule == TrustRegion::Cispo || p.rule == TrustRegion::DppoTv;
+  const bool ppo_form = p.rule == TrustRegion::None || p.rule == TrustRegion::Ppo || p.rule == TrustRegion::Gspo;
+  acc_t loss = 0, changed = 0, coef_sum = 0, clipped = 0, kept = 0;
   visit_tokens<lp_t, ref_t, acc_t>(t, sp.first, sp.last, WriteGrad ? grad : nullptr,
                                    [&](int64_t, bool counted, acc_t cur, acc_t mu, acc_t prox) {
     if (!counted) return acc_t(0);
@@ -97,31 +140,54 @@ __global__ void token_pass_kernel(Tokens t, Params p, const acc_t* adv_in, const
       changed += is_changed(d, p);
       coef_sum += c;
     }
-    const bool dropped = c == acc_t(0) || gs == acc_t(0);
-    const acc_t r = has_old ? exp(dropped ? acc_t(0) : cur - prox) : acc_t(1);
-    const acc_t p1 = -adv * r;
-    acc_t val = p1, dval = -adv;
-    bool on_clip = false;
-    if (p.clip) {
-      const acc_t rc = r < acc_t(p.ratio_lo) ? acc_t(p.ratio_lo) : (r > acc_t(p.ratio_hi) ? acc_t(p.ratio_hi) : r);
-      const acc_t p2 = -adv * rc;
-      const bool take_unclipped = p1 >= p2;  // ties go to the unclipped branch
-      val = take_unclipped ? p1 : p2;
-      dval = take_unclipped ? dval : acc_t(0);
-      on_clip = !take_unclipped;
-      const acc_t limit = -adv * acc_t(p.dual_c);
-      const bool take_dual = p.dual_clip && adv < 0 && !(val <= limit);
-      val = take_dual ? limit : val;
-      dval = take_dual ? acc_t(0) : dval;
-      on_clip = on_clip || take_dual;
+    // a token outside the sampling support (lp = -inf) adds nothing to a rule linear in lp
+    const bool dropped = c == acc_t(0) || gs == acc_t(0) || (linear_in_lp && cur == -INFINITY);
+    const acc_t anchor = mu_anchor ? mu : prox;
+    acc_t d = dropped ? acc_t(0) : cur - anchor;
+    if (SeqPass) {
+      if (p.rule == TrustRegion::Gmpo) d = adv > 0 ? min(d, acc_t(p.eps_hi)) : adv < 0 ? max(d, -acc_t(p.eps_lo)) : d;
+      loss += dropped ? acc_t(0) : d;
+      kept += dropped ? acc_t(0) : acc_t(1);
+      return acc_t(0);
     }
-    clipped += on_clip ? acc_t(1) : acc_t(0);
+    Surrogate<acc_t> sur;
+    if (ppo_form) {
+      const acc_t r = p.rule == TrustRegion::Gspo ? rho : has_old || mu_anchor ? exp(d) : acc_t(1);
+      const acc_t p1 = -adv * r;
+      acc_t val = p1, dval = -adv;
+      bool on_clip = false;
+      if (p.clip) {
+        const acc_t rc = r < acc_t(p.ratio_lo) ? acc_t(p.ratio_lo) : (r > acc_t(p.ratio_hi) ? acc_t(p.ratio_hi) : r);
+        const acc_t p2 = -adv * rc;
+        const bool take_unclipped = p1 >= p2;  // ties go to the unclipped branch
+        val = take_unclipped ? p1 : p2;
+        dval = take_unclipped ? dval : acc_t(0);
+        on_clip = !take_unclipped;
+        const acc_t limit = -adv * acc_t(p.dual_c);
+        const bool take_dual = p.dual_clip && adv < 0 && !(val <= limit);
+        val = take_dual ? limit : val;
+        dval = take_dual ? acc_t(0) : dval;
+        on_clip = on_clip || take_dual;
+      }
+      sur = {val, dval * r, on_clip};
+    } else {
+      sur = rule_terms(cur, anchor, d, rho, adv, p);
+    }
     if (dropped) return acc_t(0);
-    loss += c * val;
-    return gs * c * dval * r;
+    clipped += sur.acted ? acc_t(1) : acc_t(0);
+    loss += c * sur.val;
+    return gs * c * sur.dlp;
   });
   if (WriteGrad) return;
   loss = block_reduce(loss);
+  if (SeqPass) {
+    kept = block_reduce(kept);
+    if (threadIdx.x == 0) {
+      partials[blockIdx.x * 2] = loss;
+      partials[blockIdx.x * 2 + 1] = kept;
+    }
+    return;
+  }
   changed = block_reduce(changed);
   coef_sum = block_reduce(coef_sum);
   clipped = block_reduce(clipped);

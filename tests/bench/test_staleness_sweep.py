@@ -316,4 +316,10 @@ def test_every_rule_is_the_loss_it_names(monkeypatch):
     assert {r: s for r, s in schedules.items() if s != "constant"} == dict.fromkeys(sweep.SCHEDULES, "cosine")
     assert base["advantage"] == "opob" and base["lr_rule"] == "sqrt" and base["is_threshold"] == 8.0
     assert sweep.GRID == [r for r in sweep.RULES
-                          if r not in {**sweep.OPOB_VARIANTS, **sweep.ABLATIONS, **sweep.SCHEDULES}]
+                          if r not in {**sweep.OPOB_VARIANTS, **sweep.ABLATIONS, **sweep.SCHEDULES, **sweep.PEER_RULES}]
+    for peer in sweep.PEERS:  # each alone at a constant lr, and with the square-root ESS-scaled step
+        assert configs[peer].lr_rule is None and configs[f"{peer}-ess"].lr_rule == "sqrt"
+        assert {k: v for k, v in vars(configs[f"{peer}-ess"]).items() if vars(configs[peer])[k] != v} == \
+            {"lr_rule": "sqrt"}
+    assert configs["gspo"].trust_region == "gspo" and configs["dppo"].trust_region == "dppo_tv"
+    assert configs["icepop"].rejection == (("token_k1", 0.5, 5.0),)

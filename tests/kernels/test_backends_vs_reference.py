@@ -8,10 +8,10 @@ import torch
 
 import vcpo_kernels as vk
 from support.batches import random_batch
-from support.cases import OPTION_CASES, WITH_OLD
+from support.cases import OPTION_CASES, case_runs
 from support.backend_check import COMPILED_BACKENDS, assert_matches, run
 
-CASES = [(name, old) for name in OPTION_CASES for old in ([False, True] if name in WITH_OLD else [False])]
+CASES = [(name, old) for name in OPTION_CASES for old in case_runs(name)]
 IDS = [f"{n}{'-old' if o else ''}" for n, o in CASES]
 pytestmark = pytest.mark.parametrize("backend", COMPILED_BACKENDS)
 

@@ -12,6 +12,7 @@ import torch
 import vcpo_kernels as vk
 from support.batches import random_batch
 from support.backend_check import COMPILED_BACKENDS, assert_matches, run
+from support.cases import OPTION_CASES
 
 ALL_BACKENDS = ["torch"] + COMPILED_BACKENDS
 
@@ -123,15 +124,17 @@ def test_zero_weight_sequence_is_not_an_error(backend):
 
 
 @pytest.mark.parametrize("backend", COMPILED_BACKENDS)
-def test_masked_values_are_never_read(backend):
-    """NaN, +-inf or zeros in the tokens that do not count give bitwise the same result."""
+@pytest.mark.parametrize("case", ["token-truncate", "ppo-clip-truncate", "gspo-dual-token-mask", "gmpo-token-mask",
+                                  "cispo", "dppo-tv-capped", "sapo"])
+def test_masked_values_are_never_read(backend, case):
+    """NaN, +-inf or zeros in the tokens that do not count give bitwise the same result, under every trust region."""
     batch = random_batch(10, "padded", with_old=True)
     results = []
     for fill in (0.0, torch.nan, torch.inf, -torch.inf):
         b = batch.to(torch.float32)
         for name in ("logp", "behavior_logp", "old_logp"):
             setattr(b, name, torch.where(batch.mask, getattr(b, name), fill))
-        results.append(run(b, backend, is_level="token"))
+        results.append(run(b, backend, **OPTION_CASES[case]))
     for out, grad in results[1:]:
         assert_matches(out, grad, *results[0], rtol=0, atol=0)
 

@@ -11,13 +11,13 @@ import torch
 
 import vcpo_kernels as vk
 from support.batches import Batch, random_batch
-from support.cases import OPTION_CASES, WITH_OLD
+from support.cases import OPTION_CASES, case_runs
 from support.backend_check import assert_matches, assert_refuses_other_devices, run, vcpo_op_calls
 
 GPU = torch.cuda.is_available()
 GPU_BACKENDS = [b for b in vk.available_backends("cuda") if b != "torch"] if GPU else []
 cpu_rehearsal = pytest.mark.parametrize("backend", [b for b in vk.available_backends("cpu") if b != "torch"])
-CASES = [(name, old) for name in OPTION_CASES for old in ([False, True] if name in WITH_OLD else [False])]
+CASES = [(name, old) for name in OPTION_CASES for old in case_runs(name)]
 # Tolerances against the float64 reference by the dtype of the run under test.
 TOL = {torch.float64: dict(rtol=1e-10, atol=1e-12), torch.float32: dict(rtol=2e-5, atol=2e-6),
        torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}

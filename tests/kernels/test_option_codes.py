@@ -72,13 +72,16 @@ def test_packed_options_by_position():
     assert len(codes) == len(options.LOSS_CODES) and len(values) == len(options.LOSS_VALUES)
     assert code == dict(is_level=2, is_correction=1, ess_on_corrected=0, lr_rule=2, advantage=2, norm_by_std=1,
                         opob_length_norm=0, opob_weight=2, loss_agg=3, opob_aggregation=2,
-                        rejection=(1 << 0) | (1 << 10), opob_leave_one_out=0)
+                        rejection=(1 << 0) | (1 << 10), opob_leave_one_out=0, trust_region=1)
     loo_codes, _ = vk.PolicyLossOptions(opob_leave_one_out=True).packed(None)
     assert dict(zip(options.LOSS_CODES, loo_codes))["opob_leave_one_out"] == 1
+    sapo_codes, sapo_values = vk.PolicyLossOptions(trust_region="sapo", sapo_tau=(0.5, 2.0)).packed(None)
+    assert dict(zip(options.LOSS_CODES, sapo_codes))["trust_region"] == 6
+    assert [dict(zip(options.LOSS_VALUES, sapo_values))[k] for k in ("sapo_tau_pos", "sapo_tau_neg")] == [0.5, 2.0]
     rejection = {k: value.pop(k) for k in list(value) if k.startswith(("token_", "seq_"))}
     assert value == pytest.approx(dict(log_threshold=math.log(2.0), log_threshold_low=math.log(0.25),
                                        ess_base_ratio=1.0, clip_low=0.1, clip_high=0.3, clip_c=3.0, norm_length=16.0,
-                                       winsorize_low=0.2, winsorize_high=0.7))
+                                       winsorize_low=0.2, winsorize_high=0.7, sapo_tau_pos=1.0, sapo_tau_neg=1.05))
     # token_k1: the intersection of its two entries, in log r; seq_max_k3: its bound; the others unbounded
     assert rejection.pop("token_k1_low") == math.log(0.6) and rejection.pop("token_k1_high") == math.log(2.0)
     assert rejection.pop("seq_max_k3_high") == 0.2 and rejection.pop("seq_max_k3_low") == 0.0

@@ -7,10 +7,10 @@ import torch
 
 import vcpo_kernels as vk
 from support.batches import random_batch
-from support.cases import OPTION_CASES, WITH_OLD
+from support.cases import OPTION_CASES, case_runs
 from support.oracle import oracle
 
-CASES = [(name, old) for name in OPTION_CASES for old in ([False, True] if name in WITH_OLD else [False])]
+CASES = [(name, old) for name in OPTION_CASES for old in case_runs(name)]
 
 
 def _close(a, b, tol=1e-9):

@@ -39,7 +39,7 @@ NEW_CASES = {
     "batch-norm-seq": dict(is_batch_normalize=True, is_threshold=1.5),
     "batch-norm-token-mask": dict(is_batch_normalize=True, is_level="token", is_correction="mask", is_threshold=1.3),
     "batch-norm-reject-clip": dict(is_batch_normalize=True, is_level="token", rejection=(("seq_max_k2", None, 0.3),),
-                                   clip_ratio=(0.2, 0.2)),
+                                   clip_ratio=(0.2, 0.2), is_correction="mask", is_threshold=1.5),
 }
 KEYS = ("ess", "ess_ratio", "lr_scale", "is_clip_fraction", "mean_is_coef", "kl_k3", "num_tokens", "num_seqs",
         "ppo_clip_fraction", "rejected_fraction")

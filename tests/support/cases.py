@@ -23,11 +23,38 @@ OPTION_CASES = {
     "rloo": dict(advantage="rloo"),
     "reinforce": dict(advantage="reinforce"),
     "none": dict(advantage="none"),
-    "ppo-clip": dict(clip_ratio=(0.2, 0.28)),
-    "ppo-dual-clip": dict(clip_ratio=(0.1, 0.1), clip_ratio_c=1.5),
+    # Trust regions: in bypass mode they read pi / mu, which carries the importance weight, so there they run with
+    # a correction that does not reweight (none, mask); with old_logp any correction.
+    "ppo-clip": dict(clip_ratio=(0.2, 0.28), is_correction="none"),
+    "ppo-clip-truncate": dict(clip_ratio=(0.2, 0.28)),
+    "ppo-dual-clip": dict(clip_ratio=(0.1, 0.1), clip_ratio_c=1.5, is_correction="mask", is_threshold=2.0),
+    "gspo": dict(trust_region="gspo", clip_ratio=(0.03, 0.04), is_correction="none"),
+    "gspo-dual-token-mask": dict(trust_region="gspo", clip_ratio=(0.03, 0.04), clip_ratio_c=1.05, is_level="token",
+                                 is_correction="mask", is_threshold=1.3),
+    "gmpo": dict(trust_region="gmpo", clip_ratio=(0.1, 0.15), is_correction="none"),
+    "gmpo-token-mask": dict(trust_region="gmpo", clip_ratio=(0.1, 0.15), is_level="token", is_correction="mask",
+                            is_threshold=1.3),
+    "cispo": dict(trust_region="cispo", clip_ratio=(0.1, 0.2), is_correction="none"),
+    "cispo-upper-only": dict(trust_region="cispo", clip_ratio=(10.0, 0.1), is_correction="none"),
+    "dppo-tv": dict(trust_region="dppo_tv", clip_ratio=(0.02, 0.03), is_correction="none"),
+    "dppo-tv-capped": dict(trust_region="dppo_tv", clip_ratio=(0.02, 0.03), clip_ratio_c=1.1, is_correction="mask",
+                           is_level="token", is_threshold=1.3),
+    "sapo": dict(trust_region="sapo", is_correction="none"),
+    "sapo-tau-seq-mask": dict(trust_region="sapo", sapo_tau=(0.5, 3.0), is_correction="mask", is_threshold=1.5),
     "agg-token-mean": dict(loss_agg_mode="token-mean"),
     "agg-seq-token-sum": dict(loss_agg_mode="seq-mean-token-sum"),
     "agg-seq-token-sum-norm": dict(loss_agg_mode="seq-mean-token-sum-norm", norm_length=16.0),
 }
 # Cases whose loss depends on a recomputed proximal policy: run them with old_logp as well.
-WITH_OLD = {"default", "token-truncate", "token-mask", "ppo-clip", "ppo-dual-clip", "geometric-truncate"}
+WITH_OLD = {"default", "token-truncate", "token-mask", "ppo-clip", "ppo-dual-clip", "geometric-truncate", "gspo",
+            "gspo-dual-token-mask", "gmpo", "gmpo-token-mask", "cispo", "cispo-upper-only", "dppo-tv",
+            "dppo-tv-capped", "sapo", "sapo-tau-seq-mask"}
+# Cases refused in bypass mode (a trust region with the truncating correction): run with old_logp only.
+ONLY_OLD = {"ppo-clip-truncate"}
+
+
+def case_runs(name: str) -> list[bool]:
+    """The with_old values case `name` runs with."""
+    if name in ONLY_OLD:
+        return [True]
+    return [False, True] if name in WITH_OLD else [False]

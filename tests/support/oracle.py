@@ -46,6 +46,57 @@ def _surrogate(r: float, a: float, o: PolicyLossOptions):
     return p, dp, on_clip
 
 
+def _token_surrogates(q: Seq, prox: list, a: float, coefs: list, o: PolicyLossOptions) -> list:
+    """(p, dp/dlp, acted) of each token of one sequence: the contract's table of trust regions, token by token."""
+    rule = o.trust_rule
+    if q.old is None and rule == "none":  # bypass: r = 1 with dr/dlp = 1
+        return [_surrogate(1.0, a, o) for _ in q.lp]
+    anchor = q.old if q.old is not None else q.mu
+    kept = [c != 0 and not (rule in ("cispo", "dppo_tv") and lp == -math.inf) for c, lp in zip(coefs, q.lp)]
+    deltas = [lp - x for lp, x in zip(q.lp, anchor)]
+    out = []
+    if rule in ("none", "ppo"):
+        for d in deltas:
+            r = math.exp(d)
+            p, dp, acted = _surrogate(r, a, o)
+            out.append((p, dp * r, acted))
+        return out
+    kept_deltas = [d for d, k in zip(deltas, kept) if k]
+    if rule == "gspo":
+        rho = math.exp(sum(kept_deltas) / max(len(kept_deltas), 1))
+        for _ in deltas:  # the token form: d rho / d lp_t = rho
+            p, dp, acted = _surrogate(rho, a, o)
+            out.append((p, dp * rho, acted))
+        return out
+    lo, hi = (o.clip_ratio or (0.0, 0.0))
+    if rule == "gmpo":
+        clip = [min(d, hi) if a > 0 else max(d, -lo) if a < 0 else d for d in deltas]
+        kept_clip = [x for x, k in zip(clip, kept) if k]
+        big_r = math.exp(sum(kept_clip) / max(len(kept_clip), 1))
+        return [(-a * big_r, -a * big_r if x == d else 0.0, x != d) for x, d in zip(clip, deltas)]
+    if rule == "sapo":
+        tau = o.sapo_tau[0] if a > 0 else o.sapo_tau[1]
+        for d in deltas:
+            r = math.exp(d)
+            sig = 1 / (1 + math.exp(-tau * (r - 1)))
+            out.append((-a * 4 / tau * sig, -a * 4 * sig * (1 - sig) * r, False))
+        return out
+    for lp, x, d, k in zip(q.lp, anchor, deltas, kept):
+        if not k:
+            out.append((0.0, 0.0, False))
+            continue
+        r = math.exp(d)
+        if rule == "cispo":
+            w = min(max(r, 1 - lo), 1 + hi)
+            out.append((-a * w * lp, -a * w, w != r))
+        else:  # dppo_tv
+            moved = math.exp(lp) - math.exp(x)
+            inside = moved <= hi if a > 0 else moved >= -lo
+            w = (min(r, o.clip_ratio_c) if o.clip_ratio_c is not None else r) if inside else 0.0
+            out.append((-a * w * lp, -a * w, not inside))
+    return out
+
+
 def _mean(xs):
     return sum(xs) / len(xs)
 
@@ -198,6 +249,7 @@ def oracle(seqs: list[Seq], o: PolicyLossOptions, num_groups: int, norm_length: 
             coef_sum += c_seq
         rejects = _rejected(deltas[i], o)
         rejected += sum(rejects)
+        coefs = []
         for t in range(lengths[i]):
             if o.is_level == "token":
                 c, ch = _coef(deltas[i][t], o)
@@ -205,13 +257,11 @@ def oracle(seqs: list[Seq], o: PolicyLossOptions, num_groups: int, norm_length: 
                 coef_sum += c
             else:
                 c = c_seq
-            if rejects[t]:
-                c = 0.0
-            r = math.exp(seqs[i].lp[t] - prox[i][t]) if seqs[i].old is not None else 1.0
-            p, dp, on_clip = _surrogate(r, adv[i], o)
-            clipped += on_clip and c != 0  # a unit with coefficient 0 takes no branch (its r is not read)
-            loss += agg * c * p
-            grads[i][t] = agg * c * dp * r
+            coefs.append(0.0 if rejects[t] else c)
+        for t, (p, dp, on_clip) in enumerate(_token_surrogates(seqs[i], prox[i], adv[i], coefs, o)):
+            clipped += on_clip and coefs[t] != 0  # a unit with coefficient 0 takes no branch (its r is not read)
+            loss += agg * coefs[t] * p
+            grads[i][t] = agg * coefs[t] * dp
     units = n_tok if o.is_level == "token" else n_seq
     mean_coef = coef_sum / units if units else 0.0
     if o.is_batch_normalize and mean_coef > 0:

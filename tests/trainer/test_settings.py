@@ -110,6 +110,12 @@ def test_presets_and_switches():
     off = make_config(ess_scaling=False, opob=False, vcpo={"is_threshold": 4.0}).vcpo_config()
     assert (off.lr_rule, off.advantage, off.is_threshold) == (None, "grpo", 4.0)
     assert make_config(loss="ppo").vcpo_config().clip_ratio == (0.2, 0.28)
+    gspo = make_config(loss="gspo", ess_scaling=True, opob=True).vcpo_config()  # a peer's rule with VCPO's parts
+    assert (gspo.trust_rule, gspo.is_correction, gspo.lr_rule, gspo.advantage) == ("gspo", "none", "sqrt", "opob")
+    with pytest.raises(ValueError, match="is_correction truncate would weight each unit a second time"):
+        make_config(vcpo={"trust_region": "cispo", "clip_ratio": [1.0, 0.2]})  # the vcpo preset truncates
+    masked = make_config(vcpo={"trust_region": "cispo", "clip_ratio": [1.0, 0.2], "is_correction": "mask"})
+    assert masked.vcpo_config().trust_rule == "cispo"
 
 
 @pytest.mark.parametrize("suffix", ["yaml", "toml", "json"])

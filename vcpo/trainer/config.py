@@ -19,6 +19,8 @@ from .lr_schedule import LR_SCHEDULES
 from .report import parse_report_to
 from .rewards import REWARD_ERRORS
 
+# The peers' rules: no importance correction of their own, the group-mean baseline, a constant lr.
+_PEER = {"is_correction": "none", "advantage": "grpo", "lr_rule": None, "grad_norms": "uniform"}
 # The update rules offered for comparison; each is a VCPOConfig (docs/trainer.md, "Update rules").
 LOSS_PRESETS: dict[str, dict[str, Any]] = {
     # sequence-level truncated IS (C = 8), OPOB with exact per-sequence norms, ESS-scaled lr
@@ -32,9 +34,17 @@ LOSS_PRESETS: dict[str, dict[str, Any]] = {
     # masked IS: sequences whose weight leaves [1/C, C] get no gradient
     "mis": {"is_level": "sequence", "is_correction": "mask", "advantage": "grpo", "lr_rule": None,
             "grad_norms": "uniform"},
-    # PPO clipping of pi/mu (the proximal policy is the behaviour policy), no further correction
-    "ppo": {"is_correction": "none", "advantage": "grpo", "lr_rule": None, "grad_norms": "uniform",
-            "clip_ratio": (0.2, 0.28)},
+    # The trust regions read pi / mu (the trainer runs in bypass mode: one step per batch), which carries the
+    # importance weight: no further correction. Bounds: each rule's paper or its peer's example (docs/api.md).
+    "ppo": {**_PEER, "clip_ratio": (0.2, 0.28)},
+    "gspo": {**_PEER, "trust_region": "gspo", "clip_ratio": (3e-4, 4e-4)},
+    "gmpo": {**_PEER, "trust_region": "gmpo", "clip_ratio": (0.4, 0.4)},
+    "cispo": {**_PEER, "trust_region": "cispo", "clip_ratio": (1.0, 0.2), "loss_agg_mode": "token-mean"},
+    "dppo": {**_PEER, "trust_region": "dppo_tv", "clip_ratio": (0.15, 0.15)},
+    "sapo": {**_PEER, "trust_region": "sapo"},
+    # IcePop: the token's weight pi / mu inside [0.5, 5], 0 outside
+    "icepop": {**_PEER, "is_level": "token", "is_correction": "truncate", "is_threshold": 5.0,
+               "rejection": (("token_k1", 0.5, 5.0),)},
 }
 ENGINE_MODES = ("process", "inprocess", "server")  # the `engine` setting; engines/start.py builds each
 DTYPES = ("float32", "bfloat16", "float16")  # the `dtype` setting: the engine's
@@ -346,6 +356,10 @@ class TrainConfig:
             if check is not None and not (value is None and f.default is None):  # None: unset, where the default
                 check(value, f.name)
         options = self.vcpo_config()  # the preset, the switches and vcpo together: its errors name the option
+        if options.trust_rule != "none" and options.is_correction == "truncate":
+            raise ValueError(f"vcpo: trust_region {options.trust_rule!r} reads the ratio pi / mu (the trainer takes one "
+                             "step per batch, in bypass mode), which is the importance weight itself: is_correction "
+                             "truncate would weight each unit a second time; use is_correction none or mask")
         if self.model is None and self.data is not None:
             raise ValueError("data needs model: the built-in tiny model only knows the built-in addition task")
         if self.eval_data is not None and self.data is None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import replace
 from functools import partial
 from typing import Optional
 
@@ -74,11 +73,9 @@ class Policy:
         return self.trained.engine_model(start, base)
 
     def step(self, batch: RolloutBatch, number: int) -> dict:
-        """vcpo.step on this rank's share, as optimizer step `number` of the run (1-based: its scheduled lr); the
-        proximal policy of PPO clipping is the behaviour policy. The metrics add `lr`, the step's lr with its ESS
-        scale (0 for a skipped step)."""
-        if self.vcpo_config.clip_ratio is not None:
-            batch = replace(batch, old_logp=batch.behavior_logp)
+        """vcpo.step on this rank's share, as optimizer step `number` of the run (1-based: its scheduled lr), in
+        bypass mode (a trust region's ratio is pi / mu). The metrics add `lr`, the step's lr with its ESS scale (0 for
+        a skipped step)."""
         lr = self.base_lr * self.lr_at(number)
         for group in self.optimizer.param_groups:
             group["lr"] = lr

@@ -9,23 +9,12 @@ import torch
 from torch import Tensor
 
 from ..inputs import SequenceBatch, TokenBatch
-from ..options import PolicyLossOptions
+from ..options import LINEAR_IN_LOGP, PolicyLossOptions
 from .advantages import advantage_terms
 from .effective_sample_size import effective_sample_size
 from .segments import segment_ids, segment_max, segment_sum
 from .sequence_stats import sequence_stats, token_deltas
-
-
-class _OneWithUnitGradient(torch.autograd.Function):
-    """r in bypass mode: exp(lp - stop_gradient(lp)) is 1 with d r / d lp = 1, also where lp is not finite."""
-
-    @staticmethod
-    def forward(ctx, lp):
-        return torch.ones_like(lp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
+from .trust_region import surrogate
 
 
 def is_coefficient(log_weight: Tensor, opts: PolicyLossOptions):
@@ -59,21 +48,12 @@ def rejected_tokens(delta: Tensor, counted: Tensor, ids: Tensor, length: Tensor,
     return rejected
 
 
-def ppo_surrogate(r: Tensor, adv: Tensor, opts: PolicyLossOptions):
-    """(p, on_clip): per-token surrogate p(r) (without the IS coefficient) and whether a clip branch won."""
-    p = -adv * r
-    on_clip = torch.zeros_like(r, dtype=torch.bool)
-    if opts.clip_ratio is None:
-        return p, on_clip
-    eps_low, eps_high = opts.clip_ratio
-    p2 = -adv * torch.clamp(r, 1 - eps_low, 1 + eps_high)
-    take_unclipped = p >= p2  # ties go to the unclipped branch
-    p, on_clip = torch.where(take_unclipped, p, p2), ~take_unclipped
-    if opts.clip_ratio_c is not None:
-        limit = -adv * opts.clip_ratio_c
-        take_dual = (adv < 0) & ~(p <= limit)
-        p, on_clip = torch.where(take_dual, limit, p), on_clip | take_dual
-    return p, on_clip
+def ratio_anchor(tokens: TokenBatch, prox: Tensor, opts: PolicyLossOptions) -> Optional[Tensor]:
+    """log pi_anchor of the ratio rho = pi / pi_anchor: old_logp; in bypass mode the behaviour policy's under a
+    trust region, else None (r = 1)."""
+    if tokens.old_logp is not None:
+        return prox
+    return None if opts.trust_rule == "none" else tokens.behavior_logp.to(prox.dtype)
 
 
 def aggregation_weights(length: Tensor, opts: PolicyLossOptions, norm_length: Optional[float]) -> Tensor:
@@ -118,13 +98,12 @@ def policy_loss(tokens: TokenBatch, seq: SequenceBatch, opts: PolicyLossOptions,
     rejected = rejected_tokens(delta, counted, ids, length, opts)
     coef = torch.where(rejected, 0, coef)
     lp = torch.where(counted, tokens.logp.to(cd), 0)  # masked tokens get an exact zero gradient
-    # A unit the correction removed (c = 0) contributes exactly 0, even where r or A are not finite.
+    # A unit the correction removed (c = 0) contributes exactly 0, even where r or A are not finite; so does a
+    # token outside the sampling support (lp = -inf) under a rule whose value is linear in lp.
     kept = counted & (coef != 0)
-    if tokens.old_logp is None:
-        r = _OneWithUnitGradient.apply(lp)
-    else:
-        r = torch.exp(torch.where(kept, lp - prox, 0))
-    p, on_clip = ppo_surrogate(r, adv[ids], opts)
+    if opts.trust_rule in LINEAR_IN_LOGP:
+        kept &= lp != -torch.inf
+    p, on_clip = surrogate(lp, ratio_anchor(tokens, prox, opts), adv[ids], kept, ids, tokens.num_seqs, opts)
     token_loss = torch.where(kept, coef * p, 0)
     a = aggregation_weights(length, opts, norm_length)
     loss = (a * segment_sum(token_loss, ids, tokens.num_seqs)).sum()
@@ -141,7 +120,7 @@ def policy_loss(tokens: TokenBatch, seq: SequenceBatch, opts: PolicyLossOptions,
         num_tokens,
         num_seqs,
         (valid & ~torch.isfinite(s)).sum().to(cd),
-        (on_clip & counted).sum().to(cd) / denom_tokens,
+        (on_clip & kept).sum().to(cd) / denom_tokens,
         rejected.sum().to(cd) / denom_tokens,
         max_share.to(cd),
     ]).to(cd)

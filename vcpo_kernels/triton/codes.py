@@ -3,7 +3,8 @@ the kernels use names, not numbers (each a tl.constexpr: a jitted function may r
 
 import triton.language as tl
 
-from ..options import ADVANTAGES, IS_CORRECTIONS, IS_LEVELS, LOSS_AGG_MODES, LR_RULES, OPOB_WEIGHTS, SCALAR_FIELDS
+from ..options import (ADVANTAGES, IS_CORRECTIONS, IS_LEVELS, LOSS_AGG_MODES, LR_RULES, OPOB_WEIGHTS, SCALAR_FIELDS,
+                       TRUST_REGIONS)
 
 LEVEL_TOKEN = tl.constexpr(IS_LEVELS["token"])
 LEVEL_GEOMETRIC = tl.constexpr(IS_LEVELS["geometric"])
@@ -20,6 +21,10 @@ WEIGHT_REFERENCE_COMPAT = tl.constexpr(OPOB_WEIGHTS["reference-compat"])
 AGG_TOKEN_MEAN = tl.constexpr(LOSS_AGG_MODES["token-mean"])
 AGG_SEQ_MEAN_TOKEN_MEAN = tl.constexpr(LOSS_AGG_MODES["seq-mean-token-mean"])
 AGG_SEQ_MEAN_TOKEN_SUM = tl.constexpr(LOSS_AGG_MODES["seq-mean-token-sum"])
+RULE_GSPO = tl.constexpr(TRUST_REGIONS["gspo"])
+RULE_GMPO = tl.constexpr(TRUST_REGIONS["gmpo"])
+RULE_CISPO = tl.constexpr(TRUST_REGIONS["cispo"])
+RULE_DPPO_TV = tl.constexpr(TRUST_REGIONS["dppo_tv"])
 
 # Positions in the fused loss's `scalars` output (SCALAR_FIELDS; a name not there fails at import).
 SCALAR_ESS = tl.constexpr(SCALAR_FIELDS.index("ess"))

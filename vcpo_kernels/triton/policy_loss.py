@@ -4,8 +4,9 @@
 2. one program over the B sequences: counts, ESS and lr scale, the aggregation weight a_i and the
    sequence-level IS coefficient c_i, as grad_scale_i = a_i c_i (fp64 inside);
 3. the advantages (advantages.py);
-4. where r or c vary within a sequence (a proximal policy, token-level weights), one program per chunk
-   sums the token terms; a last program adds the chunks in order and writes the loss and the statistics;
+4. where r or c vary within a sequence (a proximal policy, token-level weights, a trust region), one program per
+   chunk sums the token terms (GSPO, GMPO: after a first pass for each sequence's ratio); a last program adds the
+   chunks in order and writes the loss and the statistics;
 5. backward: one program per chunk writes d loss / d logp for each of its tokens."""
 
 import math
@@ -15,15 +16,16 @@ import triton
 import triton.language as tl
 
 from ..inputs import SequenceBatch, TokenBatch
-from ..options import ADVANTAGES, IS_CORRECTIONS, IS_LEVELS, LOSS_AGG_MODES, LR_RULES, SCALAR_FIELDS, PolicyLossOptions
+from ..options import (ADVANTAGES, IS_CORRECTIONS, IS_LEVELS, LINEAR_IN_LOGP, LOSS_AGG_MODES, LR_RULES, SCALAR_FIELDS,
+                       TRUST_REGIONS, PolicyLossOptions)
 from .advantages import OPOB, advantages
 from .codes import (AGG_SEQ_MEAN_TOKEN_MEAN, AGG_SEQ_MEAN_TOKEN_SUM, AGG_TOKEN_MEAN, CORRECTION_MASK,
                     CORRECTION_TRUNCATE, LEVEL_GEOMETRIC, LEVEL_TOKEN, SCALAR_ESS, SCALAR_ESS_RATIO,
                     SCALAR_IS_CLIP_FRACTION, SCALAR_KL_K3, SCALAR_LR_SCALE, SCALAR_MEAN_IS_COEF, SCALAR_NUM_NONFINITE,
                     SCALAR_NUM_SEQS, SCALAR_NUM_TOKENS, SCALAR_OPOB_MAX_SHARE, SCALAR_PPO_CLIP_FRACTION,
-                    SCALAR_REJECTED_FRACTION)
+                    SCALAR_REJECTED_FRACTION, RULE_CISPO, RULE_DPPO_TV, RULE_GMPO, RULE_GSPO)
 from .effective_sample_size import ess_of
-from .segments import BLOCK, CHUNK, chunk_span
+from .segments import BLOCK, CHUNK, chunk_span, combine
 from .sequence_stats import sequence_sums
 
 BLOCK_SEQS = 1024
@@ -36,7 +38,7 @@ def is_coef(lw, log_hi, log_lo, CORRECTION: tl.constexpr):
         return tl.exp(tl.where(lw > log_hi, log_hi, lw))
     if CORRECTION == CORRECTION_MASK:
         return tl.where((lw >= log_lo) & (lw <= log_hi), 1.0, 0.0)
-    return lw * 0.0 + 1.0
+    return tl.where(lw == lw, 1.0, 1.0)  # a block of ones shaped like lw, also where lw is not finite
 
 
 @triton.jit
@@ -45,7 +47,7 @@ def is_changed(lw, log_hi, log_lo, CORRECTION: tl.constexpr):
         return tl.where(lw > log_hi, 1.0, 0.0)
     if CORRECTION == CORRECTION_MASK:
         return tl.where((lw >= log_lo) & (lw <= log_hi), 0.0, 1.0)
-    return lw * 0.0
+    return tl.where(lw == lw, 0.0, 0.0)
 
 
 # The slots of the float64 work vector the batch program hands to the last one: ESS, ESS ratio, lr scale,
@@ -108,19 +110,54 @@ def _batch_step(s_ptr, len_ptr, kl_ptr, gs_ptr, work_ptr, n, log_hi, log_lo, bas
 
 
 @triton.jit
-def _token_pass(lp_ptr, mu_ptr, old_ptr, mask_ptr, cu_ptr, chunk_end_ptr, adv_ptr, gs_ptr, grad_loss_ptr,
+def _rule_terms(cur, anchor, d, rho_seq, adv, ratio_lo, ratio_hi, eps_lo, eps_hi, dual_c, tau_pos, tau_neg,
+                RULE: tl.constexpr, DUAL: tl.constexpr):
+    """(p, d p / d lp, acted) of the rules beyond PPO's clip of r (docs/contract.md, "Trust regions"); `d` is
+    lp - lp_anchor and `rho_seq` the sequence's ratio of GSPO and GMPO."""
+    if RULE == RULE_GMPO:
+        inside = tl.where(adv > 0, d <= eps_hi, tl.where(adv < 0, d >= -eps_lo, d == d))
+        return -adv * rho_seq, tl.where(inside, -adv * rho_seq, 0.0), ~inside
+    rho = tl.exp(d)
+    if RULE == RULE_CISPO:
+        w = tl.where(rho < ratio_lo, ratio_lo, tl.where(rho > ratio_hi, ratio_hi, rho))
+        return -adv * w * cur, -adv * w, w != rho
+    if RULE == RULE_DPPO_TV:
+        moved = tl.exp(cur) - tl.exp(anchor)
+        inside = tl.where(adv > 0, moved <= eps_hi, moved >= -eps_lo)
+        w = rho
+        if DUAL:
+            w = tl.where(rho > dual_c, dual_c, rho)
+        w = tl.where(inside, w, 0.0)
+        return -adv * w * cur, -adv * w, ~inside
+    # SAPO: the gate (4 / tau) sigmoid(tau (rho - 1)); its slope 4 s (1 - s) rho from e = exp(-|x|), 0 where rho
+    # overflows (not 0 * inf)
+    zero = tl.zeros_like(d)  # blocks in d's dtype: a float argument alone would stay fp32
+    tau = tl.where(adv > 0, zero + tau_pos, zero + tau_neg)
+    x = tau * (rho - 1.0)
+    e = tl.exp(-tl.abs(x))
+    sig = tl.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+    slope = tl.where(rho == float("inf"), 0.0, 4.0 * e / ((1.0 + e) * (1.0 + e)) * rho)
+    return -adv * 4.0 / tau * sig, -adv * slope, (d != d) & (d == d)  # acts on no token
+
+
+@triton.jit
+def _token_pass(lp_ptr, mu_ptr, old_ptr, mask_ptr, cu_ptr, chunk_end_ptr, adv_ptr, gs_ptr, rho_ptr, grad_loss_ptr,
                 part_ptr, grad_ptr, num_seqs, num_tokens, search_steps, log_hi, log_lo, ratio_lo, ratio_hi, dual_c,
+                eps_lo, eps_hi, tau_pos, tau_neg,
                 HAS_OLD: tl.constexpr, HAS_MASK: tl.constexpr, TOKEN_LEVEL: tl.constexpr,
-                CORRECTION: tl.constexpr, CLIP: tl.constexpr, DUAL: tl.constexpr, WRITE_GRAD: tl.constexpr,
-                ACC64: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    # Forward (WRITE_GRAD False): the chunk's sums of c p(r), changed units, c and clipped tokens, the first
-    # times grad_scale. Backward: grad[t] = g grad_scale c (d p / d r) r, 0 where the token does not count.
+                CORRECTION: tl.constexpr, RULE: tl.constexpr, PPO_FORM: tl.constexpr, LINEAR_IN_LP: tl.constexpr,
+                MU_ANCHOR: tl.constexpr, CLIP: tl.constexpr, DUAL: tl.constexpr, SEQ_PASS: tl.constexpr, WRITE_GRAD: tl.constexpr, ACC64: tl.constexpr, CHUNK: tl.constexpr,
+                BLOCK: tl.constexpr):
+    # Forward (WRITE_GRAD False): the chunk's sums of c p, changed units, c and the tokens the trust region acted
+    # on, the first times grad_scale. Backward: grad[t] = g grad_scale c (d p / d lp), 0 where the token does not
+    # count. SEQ_PASS (GSPO, GMPO): the chunk's sum of the kept tokens' log ratios (GMPO: clipped) and their count.
     acc_t = tl.float64 if ACC64 else tl.float32
     pid = tl.program_id(0)
     seq, first, last = chunk_span(pid, chunk_end_ptr, cu_ptr, num_seqs, num_tokens, search_steps, CHUNK)
     if seq < num_seqs:
         adv = tl.load(adv_ptr + seq).to(acc_t)
         gs = tl.load(gs_ptr + seq).to(acc_t)
+        rho_seq = tl.load(rho_ptr + seq).to(acc_t)
         if WRITE_GRAD:
             gs = gs * tl.load(grad_loss_ptr).to(acc_t)
         gs_block = tl.zeros((BLOCK,), acc_t) + gs  # a block: the interpreter cannot OR a scalar into one
@@ -128,6 +165,7 @@ def _token_pass(lp_ptr, mu_ptr, old_ptr, mask_ptr, cu_ptr, chunk_end_ptr, adv_pt
         changed = tl.zeros((BLOCK,), acc_t)
         coef_sum = tl.zeros((BLOCK,), acc_t)
         clipped = tl.zeros((BLOCK,), acc_t)
+        kept = tl.zeros((BLOCK,), acc_t)
         for start in range(first, last, BLOCK):
             t = start + tl.arange(0, BLOCK)
             inside = t < last
@@ -138,41 +176,66 @@ def _token_pass(lp_ptr, mu_ptr, old_ptr, mask_ptr, cu_ptr, chunk_end_ptr, adv_pt
             prox = cur
             if HAS_OLD:
                 prox = tl.where(counted, tl.load(old_ptr + t, mask=counted, other=0.0).to(acc_t), 0.0)
-            c = cur * 0.0 + 1.0
+            c = tl.where(counted, 1.0, 1.0).to(acc_t)  # not cur * 0 + 1: lp may be -inf
             if TOKEN_LEVEL:
                 d = tl.where(counted, prox - tl.load(mu_ptr + t, mask=counted, other=0.0).to(acc_t), 0.0)
                 c = is_coef(d, log_hi, log_lo, CORRECTION).to(acc_t)
                 changed += tl.where(counted, is_changed(d, log_hi, log_lo, CORRECTION), 0.0).to(acc_t)
                 coef_sum += tl.where(counted, c, 0.0)
-            # a unit the correction removed (c = 0) contributes exactly 0, even where r or A are not finite
+            # a unit the correction removed (c = 0) contributes exactly 0, even where r or A are not finite; so does
+            # a token outside the sampling support (lp = -inf) under a rule linear in lp
             dropped = (c == 0.0) | (gs_block == 0.0)
-            r = cur * 0.0 + 1.0
-            if HAS_OLD:
-                r = tl.exp(tl.where(dropped, 0.0, cur - prox))
-            p1 = -adv * r
-            val = p1
-            dval = p1 * 0.0 - adv
-            on_clip = t < 0  # all False
-            if CLIP:
-                rc = tl.where(r < ratio_lo, ratio_lo, tl.where(r > ratio_hi, ratio_hi, r))
-                p2 = -adv * rc
-                take_unclipped = p1 >= p2  # ties go to the unclipped branch
-                val = tl.where(take_unclipped, p1, p2)
-                dval = tl.where(take_unclipped, dval, 0.0)
-                on_clip = ~take_unclipped
-                if DUAL:
-                    limit = -adv * dual_c
-                    take_dual = (gs_block * 0.0 + adv < 0) & ~(val <= limit)
-                    val = tl.where(take_dual, limit, val)
-                    dval = tl.where(take_dual, 0.0, dval)
-                    on_clip = on_clip | take_dual
-            if WRITE_GRAD:
-                g = tl.where(counted & ~dropped, gs * c * dval * r, 0.0)
-                tl.store(grad_ptr + t, g.to(grad_ptr.dtype.element_ty), mask=inside)
+            if LINEAR_IN_LP:
+                dropped = dropped | (cur == -float("inf"))
+            # the ratio's anchor: old_logp; in bypass mode the behaviour policy under a trust region, else r = 1
+            anchor = prox
+            if MU_ANCHOR:
+                anchor = tl.where(counted, tl.load(mu_ptr + t, mask=counted, other=0.0).to(acc_t), 0.0)
+            log_ratio = tl.where(dropped, 0.0, cur - anchor)
+            if SEQ_PASS:
+                if RULE == RULE_GMPO:
+                    log_ratio = tl.where(adv > 0, tl.minimum(log_ratio, eps_hi),
+                                         tl.where(adv < 0, tl.maximum(log_ratio, -eps_lo), log_ratio))
+                loss += tl.where(counted & ~dropped, log_ratio, 0.0)
+                kept += tl.where(counted & ~dropped, 1.0, 0.0).to(acc_t)
             else:
-                loss += tl.where(counted & ~dropped, c * val, 0.0)
-                clipped += tl.where(counted & on_clip, 1.0, 0.0).to(acc_t)
-        if not WRITE_GRAD:
+                if PPO_FORM:
+                    r = tl.where(counted, 1.0, 1.0).to(acc_t)
+                    if RULE == RULE_GSPO:
+                        r = r * rho_seq
+                    elif HAS_OLD or MU_ANCHOR:
+                        r = tl.exp(log_ratio)
+                    p1 = -adv * r
+                    val = p1
+                    dval = tl.where(counted, 0.0, 0.0).to(acc_t) - adv
+                    on_clip = t < 0  # all False
+                    if CLIP:
+                        rc = tl.where(r < ratio_lo, ratio_lo, tl.where(r > ratio_hi, ratio_hi, r))
+                        p2 = -adv * rc
+                        take_unclipped = p1 >= p2  # ties go to the unclipped branch
+                        val = tl.where(take_unclipped, p1, p2)
+                        dval = tl.where(take_unclipped, dval, 0.0)
+                        on_clip = ~take_unclipped
+                        if DUAL:
+                            limit = -adv * dual_c
+                            take_dual = (gs_block * 0.0 + adv < 0) & ~(val <= limit)
+                            val = tl.where(take_dual, limit, val)
+                            dval = tl.where(take_dual, 0.0, dval)
+                            on_clip = on_clip | take_dual
+                    dlp = dval * r
+                else:
+                    val, dlp, on_clip = _rule_terms(cur, anchor, log_ratio, rho_seq, adv, ratio_lo, ratio_hi, eps_lo,
+                                                    eps_hi, dual_c, tau_pos, tau_neg, RULE, DUAL)
+                if WRITE_GRAD:
+                    g = tl.where(counted & ~dropped, gs * c * dlp, 0.0)
+                    tl.store(grad_ptr + t, g.to(grad_ptr.dtype.element_ty), mask=inside)
+                else:
+                    loss += tl.where(counted & ~dropped, c * val, 0.0)
+                    clipped += tl.where(counted & ~dropped & on_clip, 1.0, 0.0).to(acc_t)
+        if SEQ_PASS:
+            tl.store(part_ptr + pid * 2, tl.sum(loss, 0))
+            tl.store(part_ptr + pid * 2 + 1, tl.sum(kept, 0))
+        elif not WRITE_GRAD:
             chunk_loss = tl.sum(loss, 0)
             tl.store(part_ptr + pid * 4, tl.where(gs != 0.0, gs * chunk_loss, 0.0))
             tl.store(part_ptr + pid * 4 + 1, tl.sum(changed, 0))
@@ -233,19 +296,36 @@ def _finish(part_ptr, num_parts, work_ptr, gs_ptr, adv_ptr, len_ptr, n, loss_ptr
     tl.store(scalars_ptr + SCALAR_OPOB_MAX_SHARE, tl.load(share_ptr).to(dt))
 
 
-def _token_args(t: TokenBatch, plan, adv, gs, opts: PolicyLossOptions):
+def _token_args(t: TokenBatch, plan, adv, gs, rho_seq, opts: PolicyLossOptions):
     chunk_end, grid, steps = plan
     dummy = t.logp
-    clip_low, clip_high = opts.clip_ratio if opts.clip_ratio is not None else (0.0, 0.0)
+    eps_low, eps_high = opts.clip_ratio if opts.clip_ratio is not None else (0.0, 0.0)
+    tau_pos, tau_neg = opts.sapo_tau
     args = (t.logp.detach(), t.behavior_logp.detach(), dummy if t.old_logp is None else t.old_logp.detach(),
-            dummy if t.mask is None else t.mask.view(torch.uint8), t.cu_seqlens, chunk_end, adv, gs)
+            dummy if t.mask is None else t.mask.view(torch.uint8), t.cu_seqlens, chunk_end, adv, gs, rho_seq)
     scalars = (t.num_seqs, t.logp.numel(), steps, math.log(opts.is_threshold), math.log(opts.threshold_low),
-               1.0 - clip_low, 1.0 + clip_high, float(opts.clip_ratio_c or 0.0))
+               1.0 - eps_low, 1.0 + eps_high, float(opts.clip_ratio_c or 0.0), eps_low, eps_high, tau_pos, tau_neg)
+    rule = opts.trust_rule
     flags = dict(HAS_OLD=t.old_logp is not None, HAS_MASK=t.mask is not None,
                  TOKEN_LEVEL=opts.is_level == "token", CORRECTION=IS_CORRECTIONS[opts.is_correction],
-                 CLIP=opts.clip_ratio is not None, DUAL=opts.clip_ratio_c is not None,
+                 RULE=TRUST_REGIONS[rule], PPO_FORM=rule in ("none", "ppo", "gspo"), LINEAR_IN_LP=rule in LINEAR_IN_LOGP,
+                 MU_ANCHOR=t.old_logp is None and rule != "none", CLIP=rule in ("ppo", "gspo"),
+                 DUAL=opts.clip_ratio_c is not None,
                  ACC64=t.acc_dtype == torch.float64, CHUNK=CHUNK, BLOCK=BLOCK)
     return grid, args, scalars, flags
+
+
+def _sequence_ratios(t: TokenBatch, plan, adv, gs, opts: PolicyLossOptions) -> torch.Tensor:
+    """[B]: GSPO's and GMPO's ratio of each sequence, exp of the mean log ratio over its kept tokens (GMPO: each
+    clipped on the advantage's side); ones for the other rules (not read)."""
+    if opts.trust_rule not in ("gspo", "gmpo"):
+        return torch.ones_like(gs)
+    grid, args, scalars, flags = _token_args(t, plan, adv, gs, torch.ones_like(gs), opts)
+    partials = torch.zeros((max(grid, 1), 2), dtype=gs.dtype, device=gs.device)
+    if grid and t.num_seqs:
+        _token_pass[(grid,)](*args, gs, partials, t.logp, *scalars, SEQ_PASS=True, WRITE_GRAD=False, **flags)
+    total, count = combine(partials, plan[0], t.num_seqs)
+    return torch.exp(total / count.clamp(min=1))
 
 
 class _PolicyLoss(torch.autograd.Function):
@@ -274,29 +354,30 @@ class _PolicyLoss(torch.autograd.Function):
                 length_norm=opts.opob_length_norm, weight=opts.opob_weight_code, log_hi=log_hi,
                 aggregation=opts.opob_aggregation, quantiles=opts.opob_winsorize_quantiles,
                 leave_one_out=opts.opob_leave_one_out)
-        token_pass = t.old_logp is not None or opts.is_level == "token"
-        grid, args, scalars, flags = _token_args(t, plan, adv, gs, opts)
+        token_pass = t.old_logp is not None or opts.is_level == "token" or opts.trust_rule != "none"
+        rho_seq = _sequence_ratios(t, plan, adv, gs, opts)
+        grid, args, scalars, flags = _token_args(t, plan, adv, gs, rho_seq, opts)
         partials = torch.zeros((max(grid, 1), 4), dtype=acc, device=device)
         if token_pass and grid and b:
-            _token_pass[(grid,)](*args, work, partials, t.logp, *scalars, WRITE_GRAD=False, **flags)
+            _token_pass[(grid,)](*args, work, partials, t.logp, *scalars, SEQ_PASS=False, WRITE_GRAD=False, **flags)
         loss = torch.empty((), dtype=acc, device=device)
         stats = torch.empty(len(SCALAR_FIELDS), dtype=acc, device=device)
         _finish[(1,)](partials, grid if token_pass else 0, work, gs, adv, length, b, loss, stats, share,
                       TOKEN_PASS=token_pass, TOKEN_LEVEL=opts.is_level == "token", BLOCK=BLOCK_SEQS)
         ctx.tokens, ctx.plan, ctx.opts = t, plan, opts
-        ctx.save_for_backward(adv, gs)
+        ctx.save_for_backward(adv, gs, rho_seq)
         ctx.mark_non_differentiable(stats, baseline, adv, s)
         return loss, stats, baseline, adv, s
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
         t = ctx.tokens
-        adv, gs = ctx.saved_tensors
+        adv, gs, rho_seq = ctx.saved_tensors
         grad = torch.empty_like(t.logp)
-        grid, args, scalars, flags = _token_args(t, ctx.plan, adv, gs, ctx.opts)
+        grid, args, scalars, flags = _token_args(t, ctx.plan, adv, gs, rho_seq, ctx.opts)
         if grid and t.num_seqs:
-            _token_pass[(grid,)](*args, grad_loss.to(gs.dtype).contiguous(), gs, grad, *scalars, WRITE_GRAD=True,
-                                 **flags)
+            _token_pass[(grid,)](*args, grad_loss.to(gs.dtype).contiguous(), gs, grad, *scalars, SEQ_PASS=False,
+                                 WRITE_GRAD=True, **flags)
         else:
             grad.zero_()
         return grad, None, None, None, None
