@@ -92,6 +92,51 @@ def oracle_of(mask, mu, lp, adv, **options):
 
 def test_registered_in_verls_registry():
     assert core_algos.get_policy_loss_fn("vcpo") is vv.vcpo_policy_loss
+    for verl_rule, loss in vv.TRUST_REGION_LOSSES.items():
+        assert core_algos.get_policy_loss_fn(f"vcpo_{verl_rule}") is loss
+
+
+VERL_RULE_FIELDS = {  # verl's actor fields of each rule, chosen so that the rule acts on some tokens of batch(9)
+    "vanilla": dict(clip_ratio_low=0.2, clip_ratio_high=0.25, clip_ratio_c=1.5),
+    "gspo": dict(clip_ratio_low=0.05, clip_ratio_high=0.08),
+    "geo_mean": dict(clip_ratio_low=0.1, clip_ratio_high=0.15),
+    "cispo": dict(clip_ratio_low=10.0, clip_ratio_high=0.2),
+    "dppo_tv": dict(clip_ratio_low=0.05, clip_ratio_high=0.05, clip_ratio_c=1.5),
+    "sapo": dict(tau_pos=0.8, tau_neg=1.3),
+}
+
+
+@pytest.mark.parametrize("verl_rule", list(VERL_RULE_FIELDS))
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_trust_region_modes_equal_verls_own_losses(verl_rule, mode):
+    """loss_mode vcpo_<rule> through verl's ppo_loss (global counts, bypass: old_log_prob = mu, no rollout IS) is
+    verl's own <rule> with the same actor fields: the loss and the gradient (verl's geo_mean divides by all rows and
+    sapo forces seq-mean-token-mean: compared where they agree, docs/contract.md, "Trust regions")."""
+    if (verl_rule, mode) in (("geo_mean", "token-mean"), ("sapo", "token-mean")):
+        pytest.skip("verl ignores loss_agg_mode for this rule")
+    mask, mu, lp, adv = batch(9, spread=0.5)
+    keep = mask.any(1)  # geo_mean divides by every row: no fully masked one
+    mask, mu, lp, adv = mask[keep], mu[keep], lp[keep], adv[keep]
+    fields = VERL_RULE_FIELDS[verl_rule]
+    counts = dict(batch_num_tokens=int(mask.sum()), global_batch_size=mask.shape[0])
+    theirs = actor_config(loss_mode=verl_rule, mode=mode, rollout_is=None, **fields)
+    ours = actor_config(loss_mode=f"vcpo_{verl_rule}", mode=mode, rollout_is=None, **fields)
+    want, want_grad = through_ppo_loss(theirs, mask, mu, lp, adv, **counts)
+    got, got_grad = through_ppo_loss(ours, mask, mu, lp, adv, **counts)
+    tol = dict(rtol=1e-7, atol=1e-12) if mode == "seq-mean-token-mean" or verl_rule == "geo_mean" else \
+        dict(rtol=1e-10, atol=1e-13)  # verl divides by L_i + 1e-8
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(got_grad, want_grad, **tol)
+    out = vcpo_kernels.policy_loss(lp, mu, mask=mask, advantages=adv, options=vv.loss_options(ours, mode, verl_rule))
+    assert verl_rule == "sapo" or 0 < float(out.ppo_clip_fraction) < 1  # the rule acted on some tokens, not all
+    vv._SUMS.clear()
+
+
+def test_trust_region_modes_refuse_rollout_is():
+    mask, mu, lp, adv = batch(6)
+    with pytest.raises(ValueError, match="rollout_is=null"):
+        vv.TRUST_REGION_LOSSES["gspo"](mu, lp, adv[:, None] * mask, mask, "token-mean",
+                                       actor_config(loss_mode="vcpo_gspo", rollout_is="sequence"))
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -25,24 +25,33 @@ from ..loss import policy_loss
 from ..lr import ess_lr_scale, scale_lr, smoothed_lr_scale
 from ..step import skip_names, skip_reason
 
-__all__ = ["LOSS_MODE", "vcpo_policy_loss", "loss_options", "rejection_entries", "VCPOAdamW"]
+__all__ = ["LOSS_MODE", "TRUST_REGION_MODES", "TRUST_REGION_LOSSES", "vcpo_policy_loss", "loss_options", "rejection_entries", "VCPOAdamW"]
 
 LOSS_MODE = "vcpo"  # actor.policy_loss.loss_mode
+# verl's own trust-region losses and vcpo's trust_region of the same rule: registered as loss_mode vcpo_<verl's name>,
+# the rule on the vcpo loss (its rollout correction, VCPOAdamW's ESS-scaled step), its bounds from verl's actor fields
+TRUST_REGION_MODES = {"vanilla": "ppo", "gspo": "gspo", "geo_mean": "gmpo", "cispo": "cispo", "dppo_tv": "dppo_tv",
+                      "sapo": "sapo"}
 
 # This process's log-space weight sums since the last zero_grad: one [5] float64 row per loss call (_log_sums).
 _SUMS: list[Tensor] = []
 
 
-def loss_options(config, loss_agg_mode: str) -> VCPOConfig:
+def loss_options(config, loss_agg_mode: str, verl_rule: str | None = None) -> VCPOConfig:
     """The VCPOConfig of verl's actor config: the IS level and threshold C from
     `policy_loss.rollout_correction` (`rollout_is`, `rollout_is_threshold`), its rejection criteria (`rollout_rs`,
     `rollout_rs_threshold`) and batch normalisation (`rollout_is_batch_normalize`), the aggregation from
-    `loss_agg_mode`, `norm_length` from `loss_scale_factor`. What VCPO cannot reproduce raises ValueError naming
+    `loss_agg_mode`, `norm_length` from `loss_scale_factor`; with `verl_rule` (a TRUST_REGION_MODES key) its trust
+    region from verl's actor fields (`trust_region_options`). What VCPO cannot reproduce raises ValueError naming
     verl's option."""
     rc = config.policy_loss.get("rollout_correction", None) if config is not None else None
-    if rc is None:
+    if rc is None and verl_rule is None:
         raise ValueError("loss_mode='vcpo' needs actor.policy_loss.rollout_correction (its rollout_is and "
                          "rollout_is_threshold are VCPO's IS level and C)")
+    rc = {} if rc is None else rc
+    if verl_rule is not None and rc.get("rollout_is", None) is not None:
+        raise ValueError(f"loss_mode='vcpo_{verl_rule}' reads the ratio pi / mu (bypass mode), which is the importance "
+                         f"weight itself: set rollout_correction.rollout_is=null (got {rc.get('rollout_is')!r})")
     level, threshold = rc.get("rollout_is", None), rc.get("rollout_is_threshold", 2.0)
     rejection = ()
     if rc.get("rollout_rs", None) is not None:
@@ -62,7 +71,23 @@ def loss_options(config, loss_agg_mode: str) -> VCPOConfig:
     factor = config.get("loss_scale_factor", None)
     return VCPOConfig(is_level=level or "sequence", is_correction="truncate" if level else "none",
                       is_threshold=threshold, loss_agg_mode=loss_agg_mode, norm_length=factor, rejection=rejection,
-                      is_batch_normalize=bool(level) and bool(rc.get("rollout_is_batch_normalize", False)))
+                      is_batch_normalize=bool(level) and bool(rc.get("rollout_is_batch_normalize", False)),
+                      **({} if verl_rule is None else trust_region_options(config, verl_rule)))
+
+
+def trust_region_options(config, verl_rule: str) -> dict:
+    """VCPOConfig's trust region of verl's loss `verl_rule` and its actor fields: `clip_ratio_low/high` (each
+    `clip_ratio` where None, as verl), `clip_ratio_c` (vanilla's dual clip, always on in verl; dppo_tv's ratio cap),
+    `tau_pos`, `tau_neg` (sapo)."""
+    rule = TRUST_REGION_MODES[verl_rule]
+    if rule == "sapo":
+        return dict(trust_region=rule, sapo_tau=(config.get("tau_pos", 1.0), config.get("tau_neg", 1.05)))
+    both = config.get("clip_ratio", 0.2)
+    low, high = config.get("clip_ratio_low", None), config.get("clip_ratio_high", None)
+    options = dict(trust_region=rule, clip_ratio=(both if low is None else low, both if high is None else high))
+    if rule in ("ppo", "dppo_tv"):
+        options["clip_ratio_c"] = config.get("clip_ratio_c", 3.0)
+    return options
 
 
 def rejection_entries(rollout_rs: str, rollout_rs_threshold) -> tuple:
@@ -121,11 +146,33 @@ def vcpo_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg
     `algorithm.rollout_correction.bypass_mode=True`), the proximal policy is `log_prob` detached. The loss is this
     micro-batch's part of the mini-batch's: its count over verl's global counts (`global_batch_info`: tokens over
     all data-parallel ranks, or the mini-batch's sequences) times the data-parallel size, as verl's own losses."""
+    return _vcpo_loss(None, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+                      rollout_is_weights)
+
+
+def _trust_region_loss(verl_rule: str):
+    """The loss of loss_mode vcpo_<verl_rule>: vcpo_policy_loss with verl's rule as its trust region."""
+
+    def loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+             rollout_is_weights=None):
+        return _vcpo_loss(verl_rule, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+                          rollout_is_weights)
+
+    loss.__name__ = f"vcpo_{verl_rule}_policy_loss"
+    return register_policy_loss(f"vcpo_{verl_rule}")(loss)
+
+
+TRUST_REGION_LOSSES = {verl_rule: _trust_region_loss(verl_rule) for verl_rule in TRUST_REGION_MODES}
+
+
+def _vcpo_loss(verl_rule, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+               rollout_is_weights):
+    mode = LOSS_MODE if verl_rule is None else f"vcpo_{verl_rule}"
     if rollout_is_weights is not None:
-        raise ValueError("loss_mode='vcpo' got verl's rollout_is_weights (decoupled mode): set "
+        raise ValueError(f"loss_mode='{mode}' got verl's rollout_is_weights (decoupled mode): set "
                          "algorithm.rollout_correction.bypass_mode=True so that old_log_prob is the behaviour policy "
                          "and VCPO forms the weights itself")
-    options = loss_options(config, loss_agg_mode)
+    options = loss_options(config, loss_agg_mode, verl_rule)
     mask = response_mask.bool()
     out = policy_loss(log_prob, old_log_prob.to(log_prob.dtype), config=options.replace(is_batch_normalize=False),
                       mask=mask, advantages=_sequence_advantages(advantages, mask).to(log_prob.dtype))
@@ -143,12 +190,13 @@ def vcpo_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg
     if whole is not None:
         loss = loss * (dp * global_share(mask.sum(1), whole, loss_agg_mode)).to(loss.dtype)
     elif dp > 1:
-        raise ValueError(f"loss_mode='vcpo' with dp_size={dp} needs verl's global batch counts (global_batch_info)")
+        raise ValueError(f"loss_mode='{mode}' with dp_size={dp} needs verl's global batch counts (global_batch_info)")
     _SUMS.append(_log_sums(out.seq_log_weight.detach(), mask.any(1)))
     stats = torch.stack([out.is_clip_fraction, out.mean_is_coef, out.kl_k3, out.ess_ratio,
-                         out.rejected_fraction]).double().tolist()
+                         out.rejected_fraction, out.ppo_clip_fraction]).double().tolist()
     return loss, {f"actor/vcpo_{k}": v for k, v in zip(("is_clip_fraction", "mean_is_coef", "kl_k3",
-                                                         "micro_batch_ess_ratio", "rejected_fraction"), stats)}
+                                                         "micro_batch_ess_ratio", "rejected_fraction",
+                                                         "trust_region_fraction"), stats)}
 
 
 class VCPOAdamW(torch.optim.AdamW):
