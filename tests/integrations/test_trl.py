@@ -206,6 +206,53 @@ def test_parts_off_gradient_equals_grpo_trainer(tokenizer):
         torch.testing.assert_close(g_vcpo, g_trl, rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.parametrize("trl_loss, rule, mode", [
+    (dict(loss_type="cispo", epsilon_high=1.1), "cispo", "token-mean"),
+    (dict(loss_type="sapo", sapo_temperature_pos=2.0, sapo_temperature_neg=3.0), "sapo", "seq-mean-token-mean"),
+    (dict(loss_type="grpo", importance_sampling_level="sequence", epsilon=0.02, epsilon_high=0.03), "gspo",
+     "seq-mean-token-mean"),
+], ids=["cispo", "sapo", "gspo"])
+def test_trls_trust_regions_pass_through(tokenizer, trl_loss, rule, mode):
+    """TRL's loss_type / importance_sampling_level name the trust region; off-policy (TRL's old log-probs from
+    generation, then the weights moved, so the ratio is not 1), VCPO's gradient on the batch equals GRPOTrainer's
+    own for the same rule (no IS correction of VCPO's own, group-mean advantages, no ESS scaling)."""
+    off = VCPOConfig(is_correction="none", advantage="grpo", norm_by_std=False, lr_rule=None, loss_agg_mode=mode,
+                     grad_norms="uniform")
+    grads, trainers = [], []
+    for cls, config_cls, extra in ((GRPOTrainer, GRPOConfig, {}), (VCPOGRPOTrainer, VCPOGRPOConfig,
+                                                                    {"vcpo_config": off})):
+        model = tiny_model(tokenizer)
+        trainer = make(cls, tokenizer, model, config_cls, scale_rewards="none", num_iterations=2, **trl_loss, **extra)
+        trainer.current_gradient_accumulation_steps = 1  # set by the training loop, which this test skips
+        model.train()
+        batch = next(iter(trainer.get_train_dataloader()))
+        torch.manual_seed(0)
+        inputs = trainer._prepare_inputs(batch)  # the old log-probs: the behaviour policy
+        with torch.no_grad():  # the policy moves on: the same move for both
+            g = torch.Generator().manual_seed(1)
+            for p in model.parameters():
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+        model.zero_grad()
+        trainer.compute_loss(model, inputs).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        trainers.append(trainer)
+    assert trainers[1].vcpo_config.trust_rule == rule
+    assert sum(float(g.abs().sum()) for g in grads[0]) > 0
+    for g_trl, g_vcpo in zip(*grads):
+        torch.testing.assert_close(g_vcpo, g_trl, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (dict(loss_type="cispo"), "epsilon_high >= 1"),  # TRL's default cap 0.2
+    (dict(loss_type="sapo", vcpo_config=VCPOConfig(is_correction="none", clip_ratio=(0.2, 0.2))), "set it in one"),
+    (dict(loss_type="sapo"), "is_correction='truncate' would weight each unit a second time"),
+    (dict(loss_type="cispo", epsilon_high=5.0, importance_sampling_level="sequence"), "per token only"),
+])
+def test_trl_trust_regions_refused_where_ambiguous(tokenizer, overrides, words):
+    with pytest.raises(ValueError, match=words):
+        make(VCPOGRPOTrainer, tokenizer, tiny_model(tokenizer), **overrides)
+
+
 def test_steps_per_generation_baselines_once_per_generation_batch(tokenizer, recorded):
     """steps_per_generation=3 with 4-sequence chunks: TRL shuffles the 12-sequence generation batch and splits
     it, so chunks hold parts of prompt groups. Every chunk's advantages are the whole batch's (by row), both

@@ -31,14 +31,14 @@ from ..loss import policy_loss
 from ..lr import scale_lr, smoothed_lr_scale
 from ..step import skip_names, skip_reason, token_logp
 
-__all__ = ["VCPOAsyncGRPOConfig", "VCPOAsyncGRPOTrainer", "VCPOGRPOConfig", "VCPOGRPOTrainer"]
+__all__ = ["VCPOAsyncGRPOConfig", "VCPOAsyncGRPOTrainer", "VCPOGRPOConfig", "VCPOGRPOTrainer", "trl_trust_region"]
 
 
 @dataclass
 class VCPOGRPOConfig(GRPOConfig):
-    """`trl.GRPOConfig` plus `vcpo_config`, every VCPO option in one `vcpo.VCPOConfig` (written once there; TRL's
-    own loss options are not read: docs/integrations.md maps them). Build it in Python: `HfArgumentParser`
-    cannot parse the nested config."""
+    """`trl.GRPOConfig` plus `vcpo_config`, every VCPO option in one `vcpo.VCPOConfig` (written once there; of TRL's
+    own loss options only those naming a trust region are read, trl_trust_region: docs/integrations.md maps the
+    others). Build it in Python: `HfArgumentParser` cannot parse the nested config."""
 
     vcpo_config: VCPOConfig = field(default_factory=VCPOConfig)
 
@@ -46,6 +46,50 @@ class VCPOGRPOConfig(GRPOConfig):
         d = super().to_dict()
         d["vcpo_config"] = dataclasses.asdict(self.vcpo_config)  # JSON-serialisable for the loggers
         return d
+
+
+def trl_trust_region(args) -> dict:
+    """VCPOConfig's trust region of TRL's own loss settings (a GRPOConfig): `loss_type="cispo"` (TRL caps the ratio
+    at `epsilon_high` itself, not at 1 + it, with no floor: `clip_ratio=(1, epsilon_high - 1)`), `"sapo"`
+    (`sapo_temperature_pos/neg`), and `importance_sampling_level="sequence"` with a clipped loss type (GSPO:
+    `clip_ratio=(epsilon, epsilon_high)`); {} for TRL's token-level clipped loss types, whose PPO clip the VCPO loss
+    does not take over (set VCPOConfig.clip_ratio for it)."""
+    high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    loss_type = getattr(args, "loss_type", None)  # AsyncGRPOConfig has neither
+    sequence = getattr(args, "importance_sampling_level", "token") == "sequence"
+    if loss_type in ("cispo", "sapo") and sequence:
+        raise ValueError(f"loss_type={loss_type!r} with importance_sampling_level='sequence': the VCPO loss has "
+                         f"{loss_type} per token only")
+    if loss_type == "cispo":
+        if high < 1:
+            raise ValueError(f"loss_type='cispo': TRL caps the ratio at epsilon_high={high} itself (not at 1 + it), "
+                             "so every token would weigh less than on-policy: set epsilon_high >= 1 (ScaleRL: 5.0)")
+        return dict(trust_region="cispo", clip_ratio=(1.0, high - 1.0))
+    if loss_type == "sapo":
+        return dict(trust_region="sapo", sapo_tau=(args.sapo_temperature_pos, args.sapo_temperature_neg))
+    if sequence:
+        return dict(trust_region="gspo", clip_ratio=(args.epsilon, high))
+    return {}
+
+
+def with_trl_trust_region(config: VCPOConfig, args) -> VCPOConfig:
+    """`config` with the trust region TRL's settings name (trl_trust_region), which vcpo_config must not set too;
+    refused where the trainer's bypass mode would weight twice (docs/contract.md, "Trust regions")."""
+    if not isinstance(config, VCPOConfig):
+        raise ValueError(f"vcpo_config must be a vcpo.VCPOConfig, got {type(config).__name__}")
+    rule = trl_trust_region(args)
+    if rule:
+        if config.trust_region is not None or config.clip_ratio is not None:
+            raise ValueError(f"TRL's loss_type={args.loss_type!r} / importance_sampling_level="
+                             f"{args.importance_sampling_level!r} name the trust region {rule['trust_region']!r}, and "
+                             "vcpo_config sets one too (trust_region or clip_ratio): set it in one place")
+        config = config.replace(**rule)
+    if config.trust_rule != "none" and config.is_correction == "truncate":
+        raise ValueError(f"the trust region {config.trust_rule!r} reads the ratio pi / mu (VCPOGRPOTrainer takes its "
+                         "steps in bypass mode), which is the importance weight itself: vcpo_config's "
+                         "is_correction='truncate' would weight each unit a second time; use is_correction='none' (or "
+                         "'mask')")
+    return config
 
 
 def _loss_mask(batch) -> torch.Tensor:
@@ -118,9 +162,7 @@ class VCPOGRPOTrainer(GRPOTrainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.vcpo_config = getattr(self.args, "vcpo_config", None) or VCPOConfig()
-        if not isinstance(self.vcpo_config, VCPOConfig):
-            raise ValueError(f"vcpo_config must be a vcpo.VCPOConfig, got {type(self.vcpo_config).__name__}")
+        self.vcpo_config = with_trl_trust_region(getattr(self.args, "vcpo_config", None) or VCPOConfig(), self.args)
         self._refuse_unsupported()
         self._lr = _ESSLearningRate(self._metrics["train"], self.vcpo_config.lr_scale_ema)
         self.add_callback(self._lr)
@@ -371,9 +413,8 @@ class VCPOAsyncGRPOTrainer(AsyncGRPOTrainer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.vcpo_config = getattr(self.args, "vcpo_config", None) or _async_defaults()
-        if not isinstance(self.vcpo_config, VCPOConfig):
-            raise ValueError(f"vcpo_config must be a vcpo.VCPOConfig, got {type(self.vcpo_config).__name__}")
+        self.vcpo_config = with_trl_trust_region(getattr(self.args, "vcpo_config", None) or _async_defaults(),
+                                                 self.args)
         why = []
         if self.accelerator.num_processes > 1:
             why.append(f"{self.accelerator.num_processes} processes (each rank's packed row holds a different number "
