@@ -70,7 +70,7 @@ ABLATIONS = {
     "ppo-ess-linear": ["--loss", "ppo", "--ess-scaling", "--lr-rule", "linear"],
 }
 # The peers' stabilisers (vcpo train's presets), alone and with VCPO's ESS-scaled step: on request
-PEERS = ("gspo", "gmpo", "cispo", "dppo", "sapo", "icepop")
+PEERS = ("gspo", "gmpo", "cispo", "dppo", "sapo", "icepop", "m2po")
 PEER_RULES = {**{rule: ["--loss", rule] for rule in PEERS},
               **{f"{rule}-ess": ["--loss", rule, "--ess-scaling"] for rule in PEERS}}
 # The rules above at a constant lr, the only schedule before 0eb50e8 (every summary of rule r at an older commit ran at

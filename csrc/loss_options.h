@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <optional>
 
 #include "options.h"
@@ -40,7 +41,10 @@ struct LossOptions {
   bool rejects(Rejection j) const { return (rejection >> static_cast<int64_t>(j)) & 1; }
   double low(Rejection j) const { return reject_low[static_cast<int64_t>(j)]; }
   double high(Rejection j) const { return reject_high[static_cast<int64_t>(j)]; }
-  bool rejects_sequences() const { return rejection & ~int64_t(0b111); }  // beyond the token_k* bits
+  // beyond the token_k* bits and batch_m2 (a per-token mask with a threshold of the batch's)
+  bool rejects_sequences() const {
+    return rejection & ~(int64_t(0b111) | (int64_t(1) << static_cast<int64_t>(Rejection::BatchM2)));
+  }
 };
 
 inline LossOptions unpack_loss_options(c10::ArrayRef<int64_t> codes, c10::ArrayRef<double> values,
@@ -96,7 +100,10 @@ struct LossParams {
   real_t tau_pos, tau_neg;    // Sapo's gate
   bool reject_k1, reject_k2, reject_k3;  // token_k1/k2/k3 criteria: log r in [k1_lo, k1_hi], k2 <= k2_hi, ...
   real_t k1_lo, k1_hi, k2_hi, k3_hi;
-  bool token_reject() const { return reject_k1 || reject_k2 || reject_k3; }
+  // batch_m2 (M2PO): Delta^2 < m2_threshold, the batch's threshold for the mean bound m2_bound (second_moment.h)
+  bool reject_m2;
+  double m2_bound, m2_threshold;
+  bool token_reject() const { return reject_k1 || reject_k2 || reject_k3 || reject_m2; }
 };
 
 template <typename real_t>
@@ -124,6 +131,9 @@ LossParams<real_t> loss_params(const LossOptions& o) {
   p.k1_hi = static_cast<real_t>(o.high(Rejection::TokenK1));
   p.k2_hi = static_cast<real_t>(o.high(Rejection::TokenK2));
   p.k3_hi = static_cast<real_t>(o.high(Rejection::TokenK3));
+  p.reject_m2 = o.rejects(Rejection::BatchM2);
+  p.m2_bound = o.high(Rejection::BatchM2);
+  p.m2_threshold = std::numeric_limits<double>::infinity();  // set from the tokens before a pass that reads it
   return p;
 }
 

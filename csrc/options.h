@@ -13,10 +13,10 @@ enum class Advantage : int64_t { Opob = 0, Grpo = 1, Rloo = 2, Reinforce = 3, No
 enum class OpobWeight : int64_t { Raw = 0, Truncated = 1, ReferenceCompat = 2 };
 enum class LossAgg : int64_t { TokenMean = 0, SeqMeanTokenMean = 1, SeqMeanTokenSum = 2, SeqMeanTokenSumNorm = 3 };
 enum class OpobAggregation : int64_t { Mean = 0, Median = 1, WinsorizedMean = 2 };
-enum class Rejection : int64_t { TokenK1 = 0, TokenK2 = 1, TokenK3 = 2, SeqSumK1 = 3, SeqSumK2 = 4, SeqSumK3 = 5, SeqMeanK1 = 6, SeqMeanK2 = 7, SeqMeanK3 = 8, SeqMaxK2 = 9, SeqMaxK3 = 10 };
+enum class Rejection : int64_t { TokenK1 = 0, TokenK2 = 1, TokenK3 = 2, SeqSumK1 = 3, SeqSumK2 = 4, SeqSumK3 = 5, SeqMeanK1 = 6, SeqMeanK2 = 7, SeqMeanK3 = 8, SeqMaxK2 = 9, SeqMaxK3 = 10, BatchM2 = 11 };
 enum class TrustRegion : int64_t { None = 0, Ppo = 1, Gspo = 2, Gmpo = 3, Cispo = 4, DppoTv = 5, Sapo = 6 };
 
-constexpr int64_t kNumRejection = 11;
+constexpr int64_t kNumRejection = 12;
 
 enum Scalar : int64_t {
   kEss = 0,
@@ -83,7 +83,9 @@ enum LossValue : int64_t {
   kSeqMaxK2High = 30,
   kSeqMaxK3Low = 31,
   kSeqMaxK3High = 32,
-  kNumLossValues = 33,
+  kBatchM2Low = 33,
+  kBatchM2High = 34,
+  kNumLossValues = 35,
 };
 
 // The LossValue of each Rejection criterion's low and high bound, in Rejection order.
@@ -99,6 +101,7 @@ constexpr LossValue kRejectionLow[kNumRejection] = {
   kSeqMeanK3Low,
   kSeqMaxK2Low,
   kSeqMaxK3Low,
+  kBatchM2Low,
 };
 constexpr LossValue kRejectionHigh[kNumRejection] = {
   kTokenK1High,
@@ -112,6 +115,7 @@ constexpr LossValue kRejectionHigh[kNumRejection] = {
   kSeqMeanK3High,
   kSeqMaxK2High,
   kSeqMaxK3High,
+  kBatchM2High,
 };
 
 }  // namespace vcpo

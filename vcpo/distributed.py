@@ -59,6 +59,9 @@ def policy_loss(logp: Tensor, behavior_logp: Tensor, *, process_group, options, 
                 backend: str = "auto", mask=None, cu_seqlens=None, old_logp=None, rewards=None, advantages=None,
                 group_index=None, num_groups=None, grad_sq_norm=None) -> vcpo_kernels.PolicyLossResult:
     """vcpo_kernels.policy_loss with ESS, lr scale and baselines over all ranks of `process_group`."""
+    if options.second_moment_bound is not None:
+        raise ValueError("rejection 'batch_m2' (M2PO) masks by an order statistic of the whole batch's tokens, which "
+                         "is not formed over the ranks of a process_group yet: run it in one process")
     if not dist.is_initialized():
         raise ValueError("process_group was given but torch.distributed is not initialised")
     if group_index is not None and num_groups is None:

@@ -191,8 +191,10 @@ class _Plan:
     options: Optional[VCPOConfig] = None  # the config, with norm_length the whole batch's where it defaults
 
 
-def _whole_batch_advantages(config: VCPOConfig) -> str:
-    """Why a sequence's advantage depends on sequences outside its prompt group, or "" when it does not."""
+def _whole_batch_loss(config: VCPOConfig) -> str:
+    """Why a sequence's loss depends on sequences outside its prompt group, or "" when it does not."""
+    if config.second_moment_bound is not None:
+        return "rejection 'batch_m2' masks by an order statistic of the whole batch's tokens"
     if config.advantage == "reinforce":
         return "advantage='reinforce' subtracts the batch's mean reward"
     if config.batch_baseline:
@@ -258,7 +260,7 @@ def _plan(batch: RolloutBatch, config: VCPOConfig, process_group) -> _Plan:
         options = config.replace(norm_length=max(longest - 1, 1))  # the padded length T of the logp [B, T-1]
     why = ""
     if len(parts) > 1:
-        why = _whole_batch_advantages(config) or ("prompt groups span ranks of the process_group" if spans else "")
+        why = _whole_batch_loss(config) or ("prompt groups span ranks of the process_group" if spans else "")
     return _Plan(parts, per_micro_batch=len(parts) > 1 and not why, recompute=why, num_groups=ng,
                  count=max(total, 1.0), world=world, options=options)
 

@@ -26,9 +26,10 @@ TRUST_REGIONS = {"none": 0, "ppo": 1, "gspo": 2, "gmpo": 3, "cispo": 4, "dppo_tv
 CLIPPED_RULES = ("ppo", "gspo", "gmpo", "cispo", "dppo_tv")
 LINEAR_IN_LOGP = ("cispo", "dppo_tv")
 # verl's rejection criteria (rollout_rs): the per-token divergence k1 = Delta, k2 = Delta^2 / 2,
-# k3 = exp(Delta) - 1 - Delta, taken per token or summed, averaged or maximised over the sequence.
+# k3 = exp(Delta) - 1 - Delta, taken per token or summed, averaged or maximised over the sequence; and M2PO's mask
+# (batch_m2): the tokens of largest Delta^2 until the mean Delta^2 of the others is at most its bound.
 REJECTION_CRITERIA = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
-                      "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
+                      "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3", "batch_m2")
 # Options not every compiled backend has yet, and those that have them: away from its default, an option refuses
 # the others (kernel_refusal), and backend="auto" runs the reference where "cpu" lacks it.
 _KERNEL_OPTIONS = {"opob_aggregation": ("cpu", "triton"), "rejection": ("cpu",)}
@@ -250,7 +251,12 @@ class PolicyLossOptions:
     @property
     def token_rejection(self) -> bool:
         """Whether a rejection criterion acts per token (the coefficient then varies within a sequence)."""
-        return any(name.startswith("token_") for name, _, _ in self.rejection)
+        return any(name.startswith(("token_", "batch_")) for name, _, _ in self.rejection)
+
+    @property
+    def second_moment_bound(self) -> Optional[float]:
+        """M2PO's bound on the mean Delta^2 of the kept tokens (rejection "batch_m2"), or None."""
+        return min((high for name, _, high in self.rejection if name == "batch_m2"), default=None)
 
     def kernel_refusal(self, backend: str) -> Optional[str]:
         """The error message of a compiled backend that lacks an option in use, or None."""

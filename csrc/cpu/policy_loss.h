@@ -12,6 +12,7 @@
 #include "common.h"
 #include "dispatch.h"
 #include "effective_sample_size.h"
+#include "second_moment.h"
 
 namespace vcpo {
 
@@ -229,8 +230,9 @@ void write_results(const LossTotals& tot, const EssResult& ess, bool token_level
 // The phases in the order of the CUDA op (ops.cu, policy_loss.cuh): sequence sums, batch step (counts, ESS,
 // a_i c_i), advantages, token terms, results.
 template <typename lp_t, typename ref_t, typename acc_t>
-void policy_loss_forward(const TokenView& v, const SequenceInputs& seq, const LossParams<acc_t>& p,
+void policy_loss_forward(const TokenView& v, const SequenceInputs& seq, const LossParams<acc_t>& params,
                          const LossOptions& o, const ForwardOutputs<acc_t>& out) {
+  const LossParams<acc_t> p = with_second_moment_threshold<lp_t, ref_t, acc_t>(v, params);
   const int64_t B = v.num_seqs;
   const int64_t grain = sequence_grain(B, v.cu_seqlens[B]);
   std::vector<acc_t> length(B), kl(B);
@@ -257,7 +259,8 @@ void policy_loss_forward(const TokenView& v, const SequenceInputs& seq, const Lo
 // d loss / d logp for every token (zero on tokens that do not count).
 template <typename lp_t, typename ref_t, typename acc_t>
 void policy_loss_backward(const TokenView& v, acc_t grad_loss, const acc_t* grad_scale, const acc_t* adv,
-                          const LossParams<acc_t>& p, lp_t* grad) {
+                          const LossParams<acc_t>& params, lp_t* grad) {
+  const LossParams<acc_t> p = with_second_moment_threshold<lp_t, ref_t, acc_t>(v, params);  // as in the forward
   const int64_t B = v.num_seqs;
   const int64_t N = v.cu_seqlens[B];
   std::vector<acc_t> scale(B);

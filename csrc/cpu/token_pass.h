@@ -46,7 +46,8 @@ template <typename acc_t>
 VCPO_INLINE bool token_rejected(acc_t d, const LossParams<acc_t>& p) {
   const acc_t k2 = acc_t(0.5) * d * d, k3 = std::expm1(d) - d;
   return (p.reject_k1 && !(d >= p.k1_lo && d <= p.k1_hi)) || (p.reject_k2 && !(k2 <= p.k2_hi)) ||
-         (p.reject_k3 && !(k3 <= p.k3_hi));
+         (p.reject_k3 && !(k3 <= p.k3_hi)) ||
+         (p.reject_m2 && !(static_cast<double>(d) * static_cast<double>(d) < p.m2_threshold));
 }
 
 // One sequence. In the forward it accumulates the loss and statistics (WriteGrad = false); in the backward

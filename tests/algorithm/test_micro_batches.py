@@ -42,14 +42,16 @@ PATHS = {
     "token-rejection-median": (dict(rejection=(("token_k2", None, 0.1),), opob_aggregation="median"),
                                "per micro-batch"),
     "batch-normalize": (dict(is_batch_normalize=True, is_threshold=1.5), "recompute"),
+    "gspo-bypass": (dict(trust_region="gspo", clip_ratio=(0.01, 0.01), is_correction="none"), "per micro-batch"),
+    "m2po": (dict(rejection=(("batch_m2", None, 0.2),), is_level="token"), "recompute"),
 }
 
 
 def _bookkept(options) -> bool:
     """Whether the gradient is book-kept (the step's assembly="auto") where the coefficients allow it."""
     return (options.get("grad_norms", "exact") == "exact" and options.get("assembly") != "two_pass"
-            and options.get("is_level") != "token" and not any(n.startswith("token_") for n, _, _ in
-                                                                options.get("rejection", ())))
+            and options.get("is_level") != "token" and "trust_region" not in options
+            and not any(n.startswith(("token_", "batch_")) for n, _, _ in options.get("rejection", ())))
 
 
 def _model(kind, tied, dtype=torch.float32, seed=0):

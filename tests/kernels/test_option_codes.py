@@ -78,14 +78,14 @@ def test_packed_options_by_position():
     sapo_codes, sapo_values = vk.PolicyLossOptions(trust_region="sapo", sapo_tau=(0.5, 2.0)).packed(None)
     assert dict(zip(options.LOSS_CODES, sapo_codes))["trust_region"] == 6
     assert [dict(zip(options.LOSS_VALUES, sapo_values))[k] for k in ("sapo_tau_pos", "sapo_tau_neg")] == [0.5, 2.0]
-    rejection = {k: value.pop(k) for k in list(value) if k.startswith(("token_", "seq_"))}
+    rejection = {k: value.pop(k) for k in list(value) if k.startswith(("token_", "seq_", "batch_"))}
     assert value == pytest.approx(dict(log_threshold=math.log(2.0), log_threshold_low=math.log(0.25),
                                        ess_base_ratio=1.0, clip_low=0.1, clip_high=0.3, clip_c=3.0, norm_length=16.0,
                                        winsorize_low=0.2, winsorize_high=0.7, sapo_tau_pos=1.0, sapo_tau_neg=1.05))
     # token_k1: the intersection of its two entries, in log r; seq_max_k3: its bound; the others unbounded
     assert rejection.pop("token_k1_low") == math.log(0.6) and rejection.pop("token_k1_high") == math.log(2.0)
     assert rejection.pop("seq_max_k3_high") == 0.2 and rejection.pop("seq_max_k3_low") == 0.0
-    assert len(rejection) == 18 and all(v == math.inf for k, v in rejection.items() if k.endswith("_high"))
+    assert len(rejection) == 20 and all(v == math.inf for k, v in rejection.items() if k.endswith("_high"))
     assert all(v == (-math.inf if "k1" in k else 0.0) for k, v in rejection.items() if k.endswith("_low"))
     _, values = vk.PolicyLossOptions().packed(None)
     off = dict(zip(options.LOSS_VALUES, values))

@@ -50,8 +50,7 @@ def test_bypass_mode_refuses_the_truncating_correction(backend, rule):
     with pytest.raises(ValueError, match="is_correction='truncate' would weight each unit a second time"):
         vk.policy_loss(batch.logp, batch.behavior_logp, backend=backend, **batch.kwargs(), **RULES[rule])
     with_old = random_batch(3, "padded", with_old=True)  # with old_logp the correction is on pi_old / mu: allowed
-    if vk.PolicyLossOptions(**RULES[rule]).kernel_refusal(backend) is None:
-        vk.policy_loss(with_old.logp, with_old.behavior_logp, backend=backend, **with_old.kwargs(), **RULES[rule])
+    vk.policy_loss(with_old.logp, with_old.behavior_logp, backend=backend, **with_old.kwargs(), **RULES[rule])
 
 
 def _loss_with_given_advantages(logp, batch, options):
@@ -111,8 +110,6 @@ def test_extreme_ratios_match_the_reference(backend, rule, with_old):
     GMPO (unbounded for A < 0) agrees with the reference, infinities included."""
     batch = _extreme(with_old)
     options = dict(RULES[rule], is_correction="none")
-    if vk.PolicyLossOptions(**options).kernel_refusal(backend) is not None:
-        pytest.skip("refused by this backend")
     want, want_grad = run(batch, "torch", **options)
     got, got_grad = run(batch, backend, **options)
     if rule != "gmpo":
@@ -126,8 +123,6 @@ def test_a_token_outside_the_support_adds_nothing(backend, rule):
     """lp = -inf on a counted token (outside the trainer's sampling support) under each rule in bypass mode, with a
     correction that keeps its unit (none): finite loss and gradient, a zero gradient on that token, the same
     results as the reference."""
-    if vk.PolicyLossOptions(**RULES[rule]).kernel_refusal(backend) is not None:
-        pytest.skip("refused by this backend")
     batch = random_batch(43, "padded", dtype=torch.float64)
     row = 4
     col = int(batch.mask[row].nonzero()[0, 0])
@@ -146,10 +141,44 @@ def test_a_token_outside_the_support_adds_nothing(backend, rule):
 def test_half_precision_inputs(backend, rule, low):
     """bf16/fp16 logp, behaviour and old log-probs: fp32 accumulation, the gradient in logp's dtype, within 1e-2 of
     the float64 reference on the same rounded values."""
-    if vk.PolicyLossOptions(**RULES[rule]).kernel_refusal(backend) is not None:
-        pytest.skip("refused by this backend")
     batch = random_batch(53, "padded", with_old=True).to(low)
     want, want_grad = run(batch.to(torch.float64), "torch", **RULES[rule])
     got, got_grad = run(batch, backend, **RULES[rule])
     assert got_grad.dtype == low and got.loss.dtype == torch.float32
     assert_matches(got, got_grad.float(), want, want_grad, rtol=1e-2, atol=1e-4)
+
+
+def test_m2po_mask_is_refused_over_ranks():
+    """batch_m2's order statistic is the loss call's: over a process_group's ranks it would be each rank's own."""
+    import vcpo
+
+    batch = random_batch(3, "padded")
+    with pytest.raises(ValueError, match="not formed over the ranks"):
+        vcpo.policy_loss(batch.logp, batch.behavior_logp, config=vcpo.VCPOConfig(rejection=(("batch_m2", None, 0.1),)),
+                         process_group=object(), **batch.kwargs())
+
+
+@pytest.mark.parametrize("backend", ["torch"] + COMPILED_BACKENDS)
+def test_m2po_mask_edges(backend):
+    """batch_m2 where every token passes (a bound above the whole batch's mean: nothing masked), where none can (a
+    bound below the smallest value: every token masked, the rest empty) and with a NaN Delta (masked), against the
+    reference; the loss and gradient stay finite."""
+    if backend != "torch" and vk.PolicyLossOptions(rejection=(("batch_m2", None, 1.0),)).kernel_refusal(backend):
+        pytest.skip("refused by this backend")
+    batch = random_batch(59, "padded", dtype=torch.float64)
+    for bound, want_fraction in ((1e6, 0.0), (1e-12, 1.0)):
+        got, grad = run(batch, backend, rejection=(("batch_m2", None, bound),))
+        assert got.rejected_fraction.item() == want_fraction
+        assert torch.isfinite(got.loss) and torch.all(torch.isfinite(grad))
+        if want_fraction == 1.0:
+            assert got.loss.item() == 0 and torch.all(grad == 0)
+    nan = batch.behavior_logp.clone()
+    row = 4
+    col = int(batch.mask[row].nonzero()[0, 0])
+    nan[row, col] = torch.nan
+    batch.behavior_logp = nan
+    adv = torch.linspace(-1.0, 1.0, batch.rewards.numel(), dtype=torch.float64)  # OPOB's would be NaN in its group
+    want, want_grad = run(batch, "torch", advantages=adv, rejection=(("batch_m2", None, 0.05),), is_level="token")
+    got, got_grad = run(batch, backend, advantages=adv, rejection=(("batch_m2", None, 0.05),), is_level="token")
+    assert got_grad[row, col] == 0 and 0 < got.rejected_fraction.item() < 1
+    assert_matches(got, got_grad, want, want_grad, rtol=1e-10, atol=1e-12)

@@ -121,11 +121,27 @@ def _robust_baseline(rs, ws, o: PolicyLossOptions):
     return sum(w * min(max(r, lo), hi) for r, w in zip(rs, ws)) / sum(ws)
 
 
-def _rejected(deltas: list, o: PolicyLossOptions) -> list:
-    """Per token of one sequence: whether a rejection criterion removes it."""
+def second_moment_threshold(all_deltas: list, bound: float) -> float:
+    """M2PO by brute force: remove the largest Delta^2 one at a time until the mean of the rest is at most `bound`
+    (an empty rest: 0); the last value removed (+inf if none). NaN values are not in the order."""
+    values = sorted((d * d for d in all_deltas if not math.isnan(d * d)), reverse=True)
+    for k in range(len(values) + 1):
+        rest = values[k:]
+        if (sum(rest) / len(rest) if rest else 0.0) <= bound:
+            return values[k - 1] if k else math.inf
+    raise AssertionError("unreachable: the empty rest has mean 0")
+
+
+def _rejected(deltas: list, o: PolicyLossOptions, m2_threshold: float = math.inf) -> list:
+    """Per token of one sequence: whether a rejection criterion removes it (`m2_threshold`: the batch's, for
+    batch_m2)."""
     out = [False] * len(deltas)
     for name, low, high in o.rejection:
         scope, kind = name.rsplit("_", 1)
+        if scope == "batch":
+            for t, d in enumerate(deltas):
+                out[t] = out[t] or not d * d < m2_threshold
+            continue
         stats = [{"k1": d, "k2": d * d / 2, "k3": math.exp(d) - 1 - d}[kind] for d in deltas]
         if scope != "token":
             seq_stat = {"seq_sum": sum(stats), "seq_mean": sum(stats) / max(len(stats), 1),
@@ -233,6 +249,8 @@ def oracle(seqs: list[Seq], o: PolicyLossOptions, num_groups: int, norm_length: 
 
     baseline, adv, max_share = _advantages(seqs, valid, s, o, num_groups)
 
+    bound = o.second_moment_bound
+    m2_threshold = math.inf if bound is None else second_moment_threshold([d for dl in deltas for d in dl], bound)
     loss, grads = 0.0, [[0.0] * lengths[i] for i in range(b)]
     changed = coef_sum = clipped = rejected = 0.0
     for i in valid:
@@ -247,7 +265,7 @@ def oracle(seqs: list[Seq], o: PolicyLossOptions, num_groups: int, norm_length: 
             c_seq, ch = _coef(lw, o)
             changed += ch
             coef_sum += c_seq
-        rejects = _rejected(deltas[i], o)
+        rejects = _rejected(deltas[i], o, m2_threshold)
         rejected += sum(rejects)
         coefs = []
         for t in range(lengths[i]):

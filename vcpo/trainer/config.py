@@ -45,6 +45,10 @@ LOSS_PRESETS: dict[str, dict[str, Any]] = {
     # IcePop: the token's weight pi / mu inside [0.5, 5], 0 outside
     "icepop": {**_PEER, "is_level": "token", "is_correction": "truncate", "is_threshold": 5.0,
                "rejection": (("token_k1", 0.5, 5.0),)},
+    # M2PO: the tokens of largest (log pi / mu)^2 masked until the mean of the others is at most 0.04 (AReaL's
+    # example), the others weighted by pi / mu truncated at 5
+    "m2po": {**_PEER, "is_level": "token", "is_correction": "truncate", "is_threshold": 5.0,
+             "rejection": (("batch_m2", None, 0.04),)},
 }
 ENGINE_MODES = ("process", "inprocess", "server")  # the `engine` setting; engines/start.py builds each
 DTYPES = ("float32", "bfloat16", "float16")  # the `dtype` setting: the engine's
