@@ -146,3 +146,7 @@ def faulty(response, answer):
     if crc % 50 == 2:
         raise ValueError(f"cannot grade {response!r}")
     return crc % 7 / 6
+
+
+def token_parity(response, answer):  # differs between a prompt's responses: advantages that are not all 0
+    return float(sum(map(ord, response)) % 2)

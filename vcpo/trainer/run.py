@@ -32,7 +32,7 @@ from .task import Problems, Task, run_problems
 
 # the metrics of vcpo.step copied into each metrics.jsonl line
 STEP_METRICS = ("loss", "ess_ratio", "lr_scale", "batch_lr_scale", "is_clip_fraction", "mean_is_coef", "kl_k3",
-                "ppo_clip_fraction", "grad_norm", "grad_sq_norm_mean", "baseline_mean", "advantage_abs_mean",
+                "ppo_clip_fraction", "rejected_fraction", "grad_norm", "grad_sq_norm_mean", "baseline_mean", "advantage_abs_mean",
                 "opob_max_share", "outside_support_fraction", "skipped", "skip_reason")
 # after a stop request and its checkpoint: how long the rollout threads get to end once their generation is aborted
 STOP_WAIT_S = 2.0
