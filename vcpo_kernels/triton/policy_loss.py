@@ -25,6 +25,7 @@ from .codes import (AGG_SEQ_MEAN_TOKEN_MEAN, AGG_SEQ_MEAN_TOKEN_SUM, AGG_TOKEN_M
                     SCALAR_NUM_SEQS, SCALAR_NUM_TOKENS, SCALAR_OPOB_MAX_SHARE, SCALAR_PPO_CLIP_FRACTION,
                     SCALAR_REJECTED_FRACTION, RULE_CISPO, RULE_DPPO_TV, RULE_GMPO, RULE_GSPO)
 from .effective_sample_size import ess_of
+from .rejection import sequence_rejection, token_criteria, token_rejected
 from .segments import BLOCK, CHUNK, chunk_span, combine
 from .sequence_stats import sequence_sums
 
@@ -49,6 +50,8 @@ def is_changed(lw, log_hi, log_lo, CORRECTION: tl.constexpr):
         return tl.where((lw >= log_lo) & (lw <= log_hi), 0.0, 1.0)
     return tl.where(lw == lw, 0.0, 0.0)
 
+
+PARTS = tl.constexpr(5)  # the token pass's partial sums per chunk: loss, changed units, c, acted on, rejected
 
 # The slots of the float64 work vector the batch program hands to the last one: ESS, ESS ratio, lr scale,
 # sequence-level changed units and coefficient sum, K3 sum, counted tokens, valid sequences, non-finite log weights.
@@ -141,9 +144,10 @@ def _rule_terms(cur, anchor, d, rho_seq, adv, ratio_lo, ratio_hi, eps_lo, eps_hi
 
 
 @triton.jit
-def _token_pass(lp_ptr, mu_ptr, old_ptr, mask_ptr, cu_ptr, chunk_end_ptr, adv_ptr, gs_ptr, rho_ptr, grad_loss_ptr,
-                part_ptr, grad_ptr, num_seqs, num_tokens, search_steps, log_hi, log_lo, ratio_lo, ratio_hi, dual_c,
-                eps_lo, eps_hi, tau_pos, tau_neg,
+def _token_pass(lp_ptr, mu_ptr, old_ptr, mask_ptr, cu_ptr, chunk_end_ptr, adv_ptr, gs_ptr, rho_ptr, m2_ptr,
+                seq_rejected_ptr, grad_loss_ptr, part_ptr, grad_ptr, num_seqs, num_tokens, search_steps, log_hi, log_lo,
+                ratio_lo, ratio_hi, dual_c, eps_lo, eps_hi, tau_pos, tau_neg, k1_lo, k1_hi, k2_hi, k3_hi,
+                REJECT_K1: tl.constexpr, REJECT_K2: tl.constexpr, REJECT_K3: tl.constexpr, REJECT_M2: tl.constexpr,
                 HAS_OLD: tl.constexpr, HAS_MASK: tl.constexpr, TOKEN_LEVEL: tl.constexpr,
                 CORRECTION: tl.constexpr, RULE: tl.constexpr, PPO_FORM: tl.constexpr, LINEAR_IN_LP: tl.constexpr,
                 MU_ANCHOR: tl.constexpr, CLIP: tl.constexpr, DUAL: tl.constexpr, SEQ_PASS: tl.constexpr, WRITE_GRAD: tl.constexpr, ACC64: tl.constexpr, CHUNK: tl.constexpr,
@@ -158,6 +162,8 @@ def _token_pass(lp_ptr, mu_ptr, old_ptr, mask_ptr, cu_ptr, chunk_end_ptr, adv_pt
         adv = tl.load(adv_ptr + seq).to(acc_t)
         gs = tl.load(gs_ptr + seq).to(acc_t)
         rho_seq = tl.load(rho_ptr + seq).to(acc_t)
+        m2_threshold = tl.load(m2_ptr).to(acc_t)
+        seq_rejected = tl.load(seq_rejected_ptr + seq) != 0  # its token rejections are not counted again
         if WRITE_GRAD:
             gs = gs * tl.load(grad_loss_ptr).to(acc_t)
         gs_block = tl.zeros((BLOCK,), acc_t) + gs  # a block: the interpreter cannot OR a scalar into one
@@ -165,6 +171,7 @@ def _token_pass(lp_ptr, mu_ptr, old_ptr, mask_ptr, cu_ptr, chunk_end_ptr, adv_pt
         changed = tl.zeros((BLOCK,), acc_t)
         coef_sum = tl.zeros((BLOCK,), acc_t)
         clipped = tl.zeros((BLOCK,), acc_t)
+        rejected = tl.zeros((BLOCK,), acc_t)
         kept = tl.zeros((BLOCK,), acc_t)
         for start in range(first, last, BLOCK):
             t = start + tl.arange(0, BLOCK)
@@ -182,6 +189,12 @@ def _token_pass(lp_ptr, mu_ptr, old_ptr, mask_ptr, cu_ptr, chunk_end_ptr, adv_pt
                 c = is_coef(d, log_hi, log_lo, CORRECTION).to(acc_t)
                 changed += tl.where(counted, is_changed(d, log_hi, log_lo, CORRECTION), 0.0).to(acc_t)
                 coef_sum += tl.where(counted, c, 0.0)
+            if REJECT_K1 or REJECT_K2 or REJECT_K3 or REJECT_M2:  # after the IS statistics: those without rejection
+                d_mu = tl.where(counted, prox - tl.load(mu_ptr + t, mask=counted, other=0.0).to(acc_t), 0.0)
+                out = token_rejected(d_mu, k1_lo, k1_hi, k2_hi, k3_hi, m2_threshold, REJECT_K1, REJECT_K2, REJECT_K3,
+                                     REJECT_M2)
+                rejected += tl.where(counted & out & ~seq_rejected, 1.0, 0.0).to(acc_t)
+                c = tl.where(out, 0.0, c)
             # a unit the correction removed (c = 0) contributes exactly 0, even where r or A are not finite; so does
             # a token outside the sampling support (lp = -inf) under a rule linear in lp
             dropped = (c == 0.0) | (gs_block == 0.0)
@@ -237,29 +250,36 @@ def _token_pass(lp_ptr, mu_ptr, old_ptr, mask_ptr, cu_ptr, chunk_end_ptr, adv_pt
             tl.store(part_ptr + pid * 2 + 1, tl.sum(kept, 0))
         elif not WRITE_GRAD:
             chunk_loss = tl.sum(loss, 0)
-            tl.store(part_ptr + pid * 4, tl.where(gs != 0.0, gs * chunk_loss, 0.0))
-            tl.store(part_ptr + pid * 4 + 1, tl.sum(changed, 0))
-            tl.store(part_ptr + pid * 4 + 2, tl.sum(coef_sum, 0))
-            tl.store(part_ptr + pid * 4 + 3, tl.sum(clipped, 0))
+            tl.store(part_ptr + pid * PARTS, tl.where(gs != 0.0, gs * chunk_loss, 0.0))
+            tl.store(part_ptr + pid * PARTS + 1, tl.sum(changed, 0))
+            tl.store(part_ptr + pid * PARTS + 2, tl.sum(coef_sum, 0))
+            tl.store(part_ptr + pid * PARTS + 3, tl.sum(clipped, 0))
+            tl.store(part_ptr + pid * PARTS + 4, tl.sum(rejected, 0))
 
 
 @triton.jit
 def _finish(part_ptr, num_parts, work_ptr, gs_ptr, adv_ptr, len_ptr, n, loss_ptr, scalars_ptr, share_ptr,
-            TOKEN_PASS: tl.constexpr, TOKEN_LEVEL: tl.constexpr, BLOCK: tl.constexpr):
+            seq_rejected_ptr, TOKEN_PASS: tl.constexpr, TOKEN_LEVEL: tl.constexpr, BLOCK: tl.constexpr):
     # The loss and the statistics of contract.md, "Statistics", from the chunk partials (in order) or, when
     # the token terms are constant within each sequence, from -sum_i grad_scale_i A_i L_i.
     loss = tl.zeros((), tl.float64)
     tok_changed = tl.zeros((), tl.float64)
     tok_coef = tl.zeros((), tl.float64)
     clipped = tl.zeros((), tl.float64)
+    rejected = tl.zeros((), tl.float64)
+    for start in range(0, n, BLOCK):  # the tokens of the sequences a sequence criterion rejected
+        i = start + tl.arange(0, BLOCK)
+        length = tl.load(len_ptr + i, mask=i < n, other=0.0).to(tl.float64)
+        rejected += tl.sum(tl.where(tl.load(seq_rejected_ptr + i, mask=i < n, other=0) != 0, length, 0.0), 0)
     if TOKEN_PASS:
         for start in range(0, num_parts, BLOCK):
             j = start + tl.arange(0, BLOCK)
             inside = j < num_parts
-            loss += tl.sum(tl.load(part_ptr + j * 4, mask=inside, other=0.0).to(tl.float64), 0)
-            tok_changed += tl.sum(tl.load(part_ptr + j * 4 + 1, mask=inside, other=0.0).to(tl.float64), 0)
-            tok_coef += tl.sum(tl.load(part_ptr + j * 4 + 2, mask=inside, other=0.0).to(tl.float64), 0)
-            clipped += tl.sum(tl.load(part_ptr + j * 4 + 3, mask=inside, other=0.0).to(tl.float64), 0)
+            loss += tl.sum(tl.load(part_ptr + j * PARTS, mask=inside, other=0.0).to(tl.float64), 0)
+            tok_changed += tl.sum(tl.load(part_ptr + j * PARTS + 1, mask=inside, other=0.0).to(tl.float64), 0)
+            tok_coef += tl.sum(tl.load(part_ptr + j * PARTS + 2, mask=inside, other=0.0).to(tl.float64), 0)
+            clipped += tl.sum(tl.load(part_ptr + j * PARTS + 3, mask=inside, other=0.0).to(tl.float64), 0)
+            rejected += tl.sum(tl.load(part_ptr + j * PARTS + 4, mask=inside, other=0.0).to(tl.float64), 0)
     else:
         for start in range(0, n, BLOCK):
             i = start + tl.arange(0, BLOCK)
@@ -292,21 +312,27 @@ def _finish(part_ptr, num_parts, work_ptr, gs_ptr, adv_ptr, len_ptr, n, loss_ptr
     tl.store(scalars_ptr + SCALAR_NUM_NONFINITE, tl.load(work_ptr + WORK_NONFINITE).to(dt))
     tl.store(scalars_ptr + SCALAR_PPO_CLIP_FRACTION,
              tl.where(tokens > 0, clipped / tl.maximum(tokens, 1.0), 0.0).to(dt))
-    tl.store(scalars_ptr + SCALAR_REJECTED_FRACTION, tl.zeros((), dt))  # no rejection here yet (kernel_refusal)
+    tl.store(scalars_ptr + SCALAR_REJECTED_FRACTION,
+             tl.where(tokens > 0, rejected / tl.maximum(tokens, 1.0), 0.0).to(dt))
     tl.store(scalars_ptr + SCALAR_OPOB_MAX_SHARE, tl.load(share_ptr).to(dt))
 
 
-def _token_args(t: TokenBatch, plan, adv, gs, rho_seq, opts: PolicyLossOptions):
+def _token_args(t: TokenBatch, plan, adv, gs, rho_seq, rejection, opts: PolicyLossOptions):
+    """(grid, the pointer arguments, the scalars, the flags) of _token_pass; `rejection` is (token_criteria's dict,
+    the [B] uint8 flags of the sequences a sequence criterion rejected)."""
     chunk_end, grid, steps = plan
     dummy = t.logp
     eps_low, eps_high = opts.clip_ratio if opts.clip_ratio is not None else (0.0, 0.0)
     tau_pos, tau_neg = opts.sapo_tau
+    criteria, seq_rejected = rejection
     args = (t.logp.detach(), t.behavior_logp.detach(), dummy if t.old_logp is None else t.old_logp.detach(),
-            dummy if t.mask is None else t.mask.view(torch.uint8), t.cu_seqlens, chunk_end, adv, gs, rho_seq)
+            dummy if t.mask is None else t.mask.view(torch.uint8), t.cu_seqlens, chunk_end, adv, gs, rho_seq,
+            criteria["threshold"], seq_rejected)
     scalars = (t.num_seqs, t.logp.numel(), steps, math.log(opts.is_threshold), math.log(opts.threshold_low),
-               1.0 - eps_low, 1.0 + eps_high, float(opts.clip_ratio_c or 0.0), eps_low, eps_high, tau_pos, tau_neg)
+               1.0 - eps_low, 1.0 + eps_high, float(opts.clip_ratio_c or 0.0), eps_low, eps_high, tau_pos, tau_neg,
+               *criteria["bounds"])
     rule = opts.trust_rule
-    flags = dict(HAS_OLD=t.old_logp is not None, HAS_MASK=t.mask is not None,
+    flags = dict(**criteria["flags"], HAS_OLD=t.old_logp is not None, HAS_MASK=t.mask is not None,
                  TOKEN_LEVEL=opts.is_level == "token", CORRECTION=IS_CORRECTIONS[opts.is_correction],
                  RULE=TRUST_REGIONS[rule], PPO_FORM=rule in ("none", "ppo", "gspo"), LINEAR_IN_LP=rule in LINEAR_IN_LOGP,
                  MU_ANCHOR=t.old_logp is None and rule != "none", CLIP=rule in ("ppo", "gspo"),
@@ -315,12 +341,12 @@ def _token_args(t: TokenBatch, plan, adv, gs, rho_seq, opts: PolicyLossOptions):
     return grid, args, scalars, flags
 
 
-def _sequence_ratios(t: TokenBatch, plan, adv, gs, opts: PolicyLossOptions) -> torch.Tensor:
+def _sequence_ratios(t: TokenBatch, plan, adv, gs, rejection, opts: PolicyLossOptions) -> torch.Tensor:
     """[B]: GSPO's and GMPO's ratio of each sequence, exp of the mean log ratio over its kept tokens (GMPO: each
     clipped on the advantage's side); ones for the other rules (not read)."""
     if opts.trust_rule not in ("gspo", "gmpo"):
         return torch.ones_like(gs)
-    grid, args, scalars, flags = _token_args(t, plan, adv, gs, torch.ones_like(gs), opts)
+    grid, args, scalars, flags = _token_args(t, plan, adv, gs, torch.ones_like(gs), rejection, opts)
     partials = torch.zeros((max(grid, 1), 2), dtype=gs.dtype, device=gs.device)
     if grid and t.num_seqs:
         _token_pass[(grid,)](*args, gs, partials, t.logp, *scalars, SEQ_PASS=True, WRITE_GRAD=False, **flags)
@@ -354,27 +380,31 @@ class _PolicyLoss(torch.autograd.Function):
                 length_norm=opts.opob_length_norm, weight=opts.opob_weight_code, log_hi=log_hi,
                 aggregation=opts.opob_aggregation, quantiles=opts.opob_winsorize_quantiles,
                 leave_one_out=opts.opob_leave_one_out)
-        token_pass = t.old_logp is not None or opts.is_level == "token" or opts.trust_rule != "none"
-        rho_seq = _sequence_ratios(t, plan, adv, gs, opts)
-        grid, args, scalars, flags = _token_args(t, plan, adv, gs, rho_seq, opts)
-        partials = torch.zeros((max(grid, 1), 4), dtype=acc, device=device)
+        token_pass = (t.old_logp is not None or opts.is_level == "token" or opts.trust_rule != "none" or
+                      opts.token_rejection)
+        seq_rejected = sequence_rejection(t, plan, length, opts)
+        gs = torch.where(seq_rejected, 0, gs)  # after the IS statistics: those without rejection
+        rejection = (token_criteria(t, opts), seq_rejected.to(torch.uint8))
+        rho_seq = _sequence_ratios(t, plan, adv, gs, rejection, opts)
+        grid, args, scalars, flags = _token_args(t, plan, adv, gs, rho_seq, rejection, opts)
+        partials = torch.zeros((max(grid, 1), PARTS), dtype=acc, device=device)
         if token_pass and grid and b:
             _token_pass[(grid,)](*args, work, partials, t.logp, *scalars, SEQ_PASS=False, WRITE_GRAD=False, **flags)
         loss = torch.empty((), dtype=acc, device=device)
         stats = torch.empty(len(SCALAR_FIELDS), dtype=acc, device=device)
         _finish[(1,)](partials, grid if token_pass else 0, work, gs, adv, length, b, loss, stats, share,
-                      TOKEN_PASS=token_pass, TOKEN_LEVEL=opts.is_level == "token", BLOCK=BLOCK_SEQS)
-        ctx.tokens, ctx.plan, ctx.opts = t, plan, opts
-        ctx.save_for_backward(adv, gs, rho_seq)
+                      rejection[1], TOKEN_PASS=token_pass, TOKEN_LEVEL=opts.is_level == "token", BLOCK=BLOCK_SEQS)
+        ctx.tokens, ctx.plan, ctx.opts, ctx.criteria = t, plan, opts, rejection[0]
+        ctx.save_for_backward(adv, gs, rho_seq, rejection[1])
         ctx.mark_non_differentiable(stats, baseline, adv, s)
         return loss, stats, baseline, adv, s
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
         t = ctx.tokens
-        adv, gs, rho_seq = ctx.saved_tensors
+        adv, gs, rho_seq, seq_rejected = ctx.saved_tensors
         grad = torch.empty_like(t.logp)
-        grid, args, scalars, flags = _token_args(t, ctx.plan, adv, gs, rho_seq, ctx.opts)
+        grid, args, scalars, flags = _token_args(t, ctx.plan, adv, gs, rho_seq, (ctx.criteria, seq_rejected), ctx.opts)
         if grid and t.num_seqs:
             _token_pass[(grid,)](*args, grad_loss.to(gs.dtype).contiguous(), gs, grad, *scalars, SEQ_PASS=False,
                                  WRITE_GRAD=True, **flags)
