@@ -32,7 +32,7 @@ REJECTION_CRITERIA = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum
                       "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3", "batch_m2")
 # Options not every compiled backend has yet, and those that have them: away from its default, an option refuses
 # the others (kernel_refusal), and backend="auto" runs the reference where "cpu" lacks it.
-_KERNEL_OPTIONS = {"opob_aggregation": ("cpu", "triton"), "rejection": ("cpu", "triton")}
+_KERNEL_OPTIONS = {"opob_aggregation": ("cpu", "triton")}
 LOSS_AGG_MODES = {
     "token-mean": 0,
     "seq-mean-token-mean": 1,

@@ -169,7 +169,8 @@ std::pair<Tensor, int64_t> chunk_plan(const Tensor& cu, int64_t num_tokens) {
   return {chunk_end, num_tokens / kChunk + b};
 }
 
-template <typename acc_t>
+// out[j, i]: the sum (Max: the maximum, a NaN winning) of sequence i's chunk partials [c, j], in chunk order.
+template <typename acc_t, bool Max = false>
 __global__ void combine_kernel(const acc_t* partials, const int64_t* chunk_end, int64_t num_seqs, int64_t num_parts,
                                int k, acc_t* out) {
   const int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
@@ -177,9 +178,12 @@ __global__ void combine_kernel(const acc_t* partials, const int64_t* chunk_end, 
   const int64_t begin = max(i > 0 ? chunk_end[i - 1] : int64_t(0), int64_t(0));
   const int64_t end = min(chunk_end[i], num_parts);
   for (int j = 0; j < k; ++j) {
-    acc_t sum = 0;
-    for (int64_t c = begin; c < end; ++c) sum += partials[c * k + j];
-    out[j * num_seqs + i] = sum;
+    acc_t r = Max ? acc_t(-INFINITY) : acc_t(0);
+    for (int64_t c = begin; c < end; ++c) {
+      const acc_t x = partials[c * k + j];
+      r = Max ? (x > r || x != x ? x : r) : r + x;
+    }
+    out[j * num_seqs + i] = r;
   }
 }
 

@@ -62,15 +62,15 @@ Tensor sequence_sums(const Tokens& t, int64_t grid, const at::TensorOptions& opt
 // the advantage's side); undefined for the other rules.
 template <typename lp_t, typename ref_t>
 Tensor sequence_ratios(const Tokens& t, int64_t grid, const Params& p, const Tensor& adv, const Tensor& grad_scale,
-                       const at::TensorOptions& opts) {
+                       const Tensor& m2, const at::TensorOptions& opts) {
   using acc_t = acc_type<lp_t>;
   if (p.rule != TrustRegion::Gspo && p.rule != TrustRegion::Gmpo) return Tensor();
   auto stream = at::cuda::getCurrentCUDAStream();
   Tensor partials = at::zeros({std::max<int64_t>(grid, 1), 2}, opts);
   if (grid > 0 && t.num_seqs > 0) {
     token_pass_kernel<false, true, lp_t, ref_t, acc_t><<<grid, kThreads, 0, stream>>>(
-        t, p, adv.data_ptr<acc_t>(), grad_scale.data_ptr<acc_t>(), nullptr, nullptr, partials.data_ptr<acc_t>(),
-        nullptr);
+        t, p, adv.data_ptr<acc_t>(), grad_scale.data_ptr<acc_t>(), nullptr, m2.data_ptr<double>(), nullptr, nullptr,
+        partials.data_ptr<acc_t>(), nullptr);
   }
   Tensor sums = at::zeros({2, t.num_seqs}, opts);
   if (t.num_seqs > 0) {
@@ -79,6 +79,68 @@ Tensor sequence_ratios(const Tokens& t, int64_t grid, const Params& p, const Ten
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return at::exp(sums[0] / sums[1].clamp_min(1)).contiguous();
+}
+
+// [B] uint8: the sequences a sequence criterion (seq_sum, seq_mean, seq_max) rejects, from per-chunk sums and maxima of
+// k1, k2, k3 combined per sequence; all 0 without one (docs/contract.md, "Rejection").
+template <typename lp_t, typename ref_t>
+Tensor sequence_rejection(const Tokens& t, int64_t grid, const LossOptions& o, const Tensor& length,
+                          const at::TensorOptions& opts) {
+  using acc_t = acc_type<lp_t>;
+  const int64_t b = t.num_seqs;
+  Tensor rejected = at::zeros({b}, opts.dtype(at::kBool));
+  if (!o.rejects_sequences() || b == 0) return rejected.to(at::kByte);
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const int64_t parts = std::max<int64_t>(grid, 1);
+  Tensor sums = at::zeros({parts, 3}, opts), maxima = at::full({parts, 2}, -INFINITY, opts);
+  if (grid > 0) {
+    rejection_partials_kernel<lp_t, ref_t, acc_t><<<grid, kThreads, 0, stream>>>(t, sums.data_ptr<acc_t>(),
+                                                                                 maxima.data_ptr<acc_t>());
+  }
+  Tensor seq_sums = at::empty({3, b}, opts), seq_max = at::empty({2, b}, opts);
+  combine_kernel<acc_t><<<blocks_for(b), kThreads, 0, stream>>>(sums.data_ptr<acc_t>(), t.chunk_end, b, parts, 3,
+                                                                seq_sums.data_ptr<acc_t>());
+  combine_kernel<acc_t, true><<<blocks_for(b), kThreads, 0, stream>>>(maxima.data_ptr<acc_t>(), t.chunk_end, b, parts,
+                                                                      2, seq_max.data_ptr<acc_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const Rejection sum_of[3] = {Rejection::SeqSumK1, Rejection::SeqSumK2, Rejection::SeqSumK3};
+  const Rejection mean_of[3] = {Rejection::SeqMeanK1, Rejection::SeqMeanK2, Rejection::SeqMeanK3};
+  auto fails = [&](Rejection r, int kind, const Tensor& stat) {  // kind 0: k1 (both bounds); a NaN fails
+    const Tensor keep = kind == 0 ? (stat >= o.low(r)) & (stat <= o.high(r)) : stat <= o.high(r);
+    return rejected.logical_or_(~keep);
+  };
+  for (int j = 0; j < 3; ++j) {
+    if (o.rejects(sum_of[j])) fails(sum_of[j], j, seq_sums[j]);
+    if (o.rejects(mean_of[j])) fails(mean_of[j], j, seq_sums[j] / length.clamp_min(1));
+  }
+  if (o.rejects(Rejection::SeqMaxK2)) fails(Rejection::SeqMaxK2, 1, seq_max[0]);
+  if (o.rejects(Rejection::SeqMaxK3)) fails(Rejection::SeqMaxK3, 2, seq_max[1]);
+  return rejected.logical_and_(length > 0).to(at::kByte).contiguous();
+}
+
+// [1] float64: M2PO's threshold (rejection batch_m2; docs/contract.md, "Rejection"): with v_1 >= ... >= v_n the counted
+// tokens' Delta^2 (Delta in the accumulation dtype, squared in float64, as the token pass; NaN left out), v_k for the
+// smallest k whose rest has a mean <= the bound (an empty rest: 0; +inf for k = 0). A device sort: no host sync.
+Tensor second_moment_threshold(const Tensor& logp, const Tensor& behavior_logp, const OptTensor& old_logp,
+                               const OptTensor& mask, const LossOptions& o, at::ScalarType acc) {
+  const auto doubles = logp.options().dtype(at::kDouble);
+  if (!o.rejects(Rejection::BatchM2)) return at::full({1}, INFINITY, doubles);
+  const Tensor prox = old_logp ? *old_logp : logp.detach();
+  const Tensor d = (prox.to(acc) - behavior_logp.to(acc)).to(at::kDouble).flatten();
+  const Tensor counted = mask ? mask->flatten() : at::ones_like(d, d.options().dtype(at::kBool));
+  const Tensor square = d * d;
+  const Tensor values = at::where(counted & ~at::isnan(square), square, at::full({}, -INFINITY, doubles));
+  const Tensor v = std::get<0>(at::sort(values, 0, /*descending=*/true));
+  const int64_t size = v.numel();
+  const Tensor n = (v > -INFINITY).sum();
+  const Tensor index = at::arange(size, doubles.dtype(at::kLong));
+  const Tensor inside = index < n;
+  const Tensor suffix = at::flip(at::cumsum(at::flip(at::where(inside, v, at::zeros({}, doubles)), {0}), 0), {0});
+  const Tensor rest_mean = suffix / (n - index).clamp_min(1);
+  const Tensor first = at::cat({at::where(inside & (rest_mean <= o.high(Rejection::BatchM2)), index, n),
+                                n.reshape({1})}).min();
+  const Tensor padded = at::cat({at::full({1}, INFINITY, doubles), v});  // padded[k] = v_k
+  return padded.index_select(0, first.clamp_max(size).reshape({1})).contiguous();
 }
 
 std::tuple<Tensor, Tensor, Tensor> sequence_stats_cuda(const Tensor& logp, const Tensor& behavior_logp,
@@ -172,18 +234,23 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> policy_loss_cuda(
                      o.opob_length_norm, o.opob_weight, o.log_threshold, nullptr, nullptr, o.opob_leave_one_out};
       std::tie(baseline, adv, share) = advantages<acc_t>(g, group_index, o.advantage, o.norm_by_std, opts);
     }
-    const bool token_pass = old_logp.has_value() || o.is_level == IsLevel::Token || p.rule != TrustRegion::None;
-    const Tensor rho = sequence_ratios<lp_t, ref_t>(t, grid, p, adv, grad_scale, opts);
-    Tensor partials = at::zeros({std::max<int64_t>(grid, 1), 4}, opts);
+    const bool token_pass = old_logp.has_value() || o.is_level == IsLevel::Token || p.rule != TrustRegion::None ||
+                            p.token_reject();
+    // rejection, after the IS statistics (those without it): a rejected sequence's grad_scale is 0
+    const Tensor seq_rejected = sequence_rejection<lp_t, ref_t>(t, grid, o, length, opts);
+    grad_scale.masked_fill_(seq_rejected.to(at::kBool), 0);
+    const Tensor m2 = second_moment_threshold(logp, behavior_logp, old_logp, mask, o, acc);
+    const Tensor rho = sequence_ratios<lp_t, ref_t>(t, grid, p, adv, grad_scale, m2, opts);
+    Tensor partials = at::zeros({std::max<int64_t>(grid, 1), kParts}, opts);
     if (token_pass && grid > 0 && b > 0) {
       token_pass_kernel<false, false, lp_t, ref_t, acc_t><<<grid, kThreads, 0, stream>>>(
           t, p, adv.data_ptr<acc_t>(), grad_scale.data_ptr<acc_t>(), rho.defined() ? rho.data_ptr<acc_t>() : nullptr,
-          nullptr, partials.data_ptr<acc_t>(), nullptr);
+          m2.data_ptr<double>(), seq_rejected.data_ptr<uint8_t>(), nullptr, partials.data_ptr<acc_t>(), nullptr);
     }
     finish_kernel<acc_t><<<1, kThreads, 0, stream>>>(
         partials.data_ptr<acc_t>(), token_pass ? grid : 0, work.data_ptr<double>(), grad_scale.data_ptr<acc_t>(),
-        adv.data_ptr<acc_t>(), length.data_ptr<acc_t>(), share.data_ptr<double>(), b, token_pass,
-        o.is_level == IsLevel::Token, loss.data_ptr<acc_t>(), scalars.data_ptr<acc_t>());
+        adv.data_ptr<acc_t>(), length.data_ptr<acc_t>(), share.data_ptr<double>(), seq_rejected.data_ptr<uint8_t>(),
+        b, token_pass, o.is_level == IsLevel::Token, loss.data_ptr<acc_t>(), scalars.data_ptr<acc_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {loss, scalars, baseline, adv, seq_log_weight, grad_scale};
@@ -201,7 +268,8 @@ Tensor policy_loss_backward_cuda(const Tensor& grad_loss, const Tensor& logp, co
   const auto acc = acc_dtype(logp.scalar_type());
   check_backward_inputs(grad_loss, grad_scale, advantages_in, t.num_seqs, acc, device);
   const Tensor g = grad_loss.to(logp.device(), acc).reshape({1}).contiguous();  // read on the device: no sync
-  const Params p = loss_params<double>(unpack_loss_options(codes, values, true));
+  const LossOptions o = unpack_loss_options(codes, values, true);
+  const Params p = loss_params<double>(o);
   // Every token lies in a chunk of valid offsets, so each element is written; unvalidated bad offsets leave
   // some unwritten (never out of bounds).
   Tensor grad = at::empty_like(logp);
@@ -210,11 +278,14 @@ Tensor policy_loss_backward_cuda(const Tensor& grad_loss, const Tensor& logp, co
     using lp_t = decltype(lp);
     using ref_t = decltype(ref);
     using acc_t = acc_type<lp_t>;
-    // GSPO's and GMPO's sequence ratios, formed again as in the forward (the same kernels on the same inputs)
-    const Tensor rho = sequence_ratios<lp_t, ref_t>(t, grid, p, advantages_in, grad_scale, grad_scale.options());
+    // M2PO's threshold and GSPO's and GMPO's sequence ratios, formed again as in the forward (the same kernels on the
+    // same inputs); a rejected sequence's grad_scale is 0 already
+    const Tensor m2 = second_moment_threshold(logp, behavior_logp, old_logp, mask, o, acc);
+    const Tensor rho = sequence_ratios<lp_t, ref_t>(t, grid, p, advantages_in, grad_scale, m2, grad_scale.options());
     token_pass_kernel<true, false, lp_t, ref_t, acc_t><<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
         t, p, advantages_in.data_ptr<acc_t>(), grad_scale.data_ptr<acc_t>(),
-        rho.defined() ? rho.data_ptr<acc_t>() : nullptr, g.data_ptr<acc_t>(), nullptr, grad.data_ptr<lp_t>());
+        rho.defined() ? rho.data_ptr<acc_t>() : nullptr, m2.data_ptr<double>(), nullptr, g.data_ptr<acc_t>(), nullptr,
+        grad.data_ptr<lp_t>());
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return grad;

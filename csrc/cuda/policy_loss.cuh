@@ -75,6 +75,47 @@ __global__ void batch_step_kernel(const acc_t* s, const acc_t* length, const acc
   }
 }
 
+// Whether a token criterion rejects a token of log ratio d (a NaN statistic fails); m2: M2PO's threshold of Delta^2.
+template <typename acc_t>
+__device__ __forceinline__ bool token_rejected(acc_t d, const Params& p, double m2) {
+  const acc_t k2 = acc_t(0.5) * d * d, k3 = k3_term(d);
+  return (p.reject_k1 && !(d >= acc_t(p.k1_lo) && d <= acc_t(p.k1_hi))) || (p.reject_k2 && !(k2 <= acc_t(p.k2_hi))) ||
+         (p.reject_k3 && !(k3 <= acc_t(p.k3_hi))) ||
+         (p.reject_m2 && !(static_cast<double>(d) * static_cast<double>(d) < m2));
+}
+
+// The chunk's sums of k1, k2, k3 and maxima of k2, k3 over its counted tokens (a NaN wins a maximum: it fails).
+template <typename lp_t, typename ref_t, typename acc_t>
+__global__ void rejection_partials_kernel(Tokens t, acc_t* sums, acc_t* maxima) {
+  const Span sp = chunk_span(t, blockIdx.x);
+  if (sp.seq >= t.num_seqs) return;  // uniform over the block
+  acc_t k1 = 0, k2 = 0, k3 = 0, top2 = -INFINITY, top3 = -INFINITY;
+  visit_tokens<lp_t, ref_t, acc_t>(t, sp.first, sp.last, static_cast<lp_t*>(nullptr),
+                                   [&](int64_t, bool counted, acc_t, acc_t mu, acc_t prox) {
+    if (counted) {
+      const acc_t d = prox - mu, half_square = acc_t(0.5) * d * d, k3_d = k3_term(d);
+      k1 += d;
+      k2 += half_square;
+      k3 += k3_d;
+      top2 = half_square > top2 || half_square != half_square ? half_square : top2;
+      top3 = k3_d > top3 || k3_d != k3_d ? k3_d : top3;
+    }
+    return acc_t(0);
+  });
+  k1 = block_reduce(k1);
+  k2 = block_reduce(k2);
+  k3 = block_reduce(k3);
+  top2 = block_reduce<acc_t, true>(top2);
+  top3 = block_reduce<acc_t, true>(top3);
+  if (threadIdx.x == 0) {
+    sums[blockIdx.x * 3] = k1;
+    sums[blockIdx.x * 3 + 1] = k2;
+    sums[blockIdx.x * 3 + 2] = k3;
+    maxima[blockIdx.x * 2] = top2;
+    maxima[blockIdx.x * 2 + 1] = top3;
+  }
+}
+
 // p, d p / d lp and whether the rule acted, for the rules beyond PPO's clip of a ratio (docs/contract.md, "Trust
 // regions"); d = lp - lp_anchor, rho_seq the sequence's ratio of GSPO and GMPO.
 template <typename acc_t>
@@ -116,12 +157,19 @@ __device__ __forceinline__ Surrogate<acc_t> rule_terms(acc_t cur, acc_t anchor, 
 // tokens the trust region acted on. Backward: grad[t] = g grad_scale c (d p / d lp), exactly 0 where the token does
 // not count or its unit was removed (c = 0), even where r or A are not finite. SeqPass (GSPO, GMPO): the partial
 // sums of the kept tokens' log ratios (GMPO: clipped on the advantage's side) and their count.
+// kParts partial sums per chunk: c p (times grad_scale), changed units, c, the tokens acted on, the tokens rejected.
+constexpr int kParts = 5;
+
 template <bool WriteGrad, bool SeqPass, typename lp_t, typename ref_t, typename acc_t>
 __global__ void token_pass_kernel(Tokens t, Params p, const acc_t* adv_in, const acc_t* grad_scale,
-                                  const acc_t* rho_seq, const acc_t* grad_loss, acc_t* partials, lp_t* grad) {
+                                  const acc_t* rho_seq, const double* m2, const uint8_t* seq_rejected,
+                                  const acc_t* grad_loss, acc_t* partials, lp_t* grad) {
   const Span sp = chunk_span(t, blockIdx.x);
   if (sp.seq >= t.num_seqs) return;
   const acc_t adv = adv_in[sp.seq];
+  const double m2_threshold = m2 != nullptr ? *m2 : kInf;
+  const bool seq_rej = seq_rejected != nullptr && seq_rejected[sp.seq];  // its tokens are counted there
+  const bool token_criteria = p.reject_k1 || p.reject_k2 || p.reject_k3 || p.reject_m2;
   const acc_t gs = grad_scale[sp.seq] * (WriteGrad ? *grad_loss : acc_t(1));
   const acc_t rho = rho_seq != nullptr ? rho_seq[sp.seq] : acc_t(1);
   const bool token_level = p.level == IsLevel::Token, has_old = t.old != nullptr;
@@ -129,7 +177,7 @@ __global__ void token_pass_kernel(Tokens t, Params p, const acc_t* adv_in, const
   const bool mu_anchor = !has_old && p.rule != TrustRegion::None;
   const bool linear_in_lp = p.rule == TrustRegion::Cispo || p.rule == TrustRegion::DppoTv;
   const bool ppo_form = p.rule == TrustRegion::None || p.rule == TrustRegion::Ppo || p.rule == TrustRegion::Gspo;
-  acc_t loss = 0, changed = 0, coef_sum = 0, clipped = 0, kept = 0;
+  acc_t loss = 0, changed = 0, coef_sum = 0, clipped = 0, rejected = 0, kept = 0;
   visit_tokens<lp_t, ref_t, acc_t>(t, sp.first, sp.last, WriteGrad ? grad : nullptr,
                                    [&](int64_t, bool counted, acc_t cur, acc_t mu, acc_t prox) {
     if (!counted) return acc_t(0);
@@ -139,6 +187,11 @@ __global__ void token_pass_kernel(Tokens t, Params p, const acc_t* adv_in, const
       c = is_coef(d, p);
       changed += is_changed(d, p);
       coef_sum += c;
+    }
+    if (token_criteria) {  // after the IS statistics: they are those without rejection
+      const bool out = token_rejected(prox - mu, p, m2_threshold);
+      rejected += out && !seq_rej ? acc_t(1) : acc_t(0);
+      c = out ? acc_t(0) : c;
     }
     // a token outside the sampling support (lp = -inf) adds nothing to a rule linear in lp
     const bool dropped = c == acc_t(0) || gs == acc_t(0) || (linear_in_lp && cur == -INFINITY);
@@ -191,11 +244,14 @@ __global__ void token_pass_kernel(Tokens t, Params p, const acc_t* adv_in, const
   changed = block_reduce(changed);
   coef_sum = block_reduce(coef_sum);
   clipped = block_reduce(clipped);
+  rejected = block_reduce(rejected);
   if (threadIdx.x == 0) {
-    partials[blockIdx.x * 4] = gs != acc_t(0) ? gs * loss : acc_t(0);
-    partials[blockIdx.x * 4 + 1] = changed;
-    partials[blockIdx.x * 4 + 2] = coef_sum;
-    partials[blockIdx.x * 4 + 3] = clipped;
+    acc_t* out = partials + blockIdx.x * kParts;
+    out[0] = gs != acc_t(0) ? gs * loss : acc_t(0);
+    out[1] = changed;
+    out[2] = coef_sum;
+    out[3] = clipped;
+    out[4] = rejected;
   }
 }
 
@@ -203,15 +259,17 @@ __global__ void token_pass_kernel(Tokens t, Params p, const acc_t* adv_in, const
 // terms are constant within each sequence, from -sum_i grad_scale_i A_i L_i.
 template <typename acc_t>
 __global__ void finish_kernel(const acc_t* partials, int64_t num_parts, const double* work, const acc_t* grad_scale,
-                              const acc_t* adv, const acc_t* length, const double* share, int64_t n,
-                              bool token_pass, bool token_level, acc_t* loss_out, acc_t* scalars) {
-  double loss = 0, changed = 0, coef = 0, clipped = 0;
+                              const acc_t* adv, const acc_t* length, const double* share, const uint8_t* seq_rejected,
+                              int64_t n, bool token_pass, bool token_level, acc_t* loss_out, acc_t* scalars) {
+  double loss = 0, changed = 0, coef = 0, clipped = 0, rejected = 0;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) rejected += seq_rejected[i] ? double(length[i]) : 0.0;
   if (token_pass) {
     for (int64_t j = threadIdx.x; j < num_parts; j += blockDim.x) {
-      loss += partials[j * 4];
-      changed += partials[j * 4 + 1];
-      coef += partials[j * 4 + 2];
-      clipped += partials[j * 4 + 3];
+      loss += partials[j * kParts];
+      changed += partials[j * kParts + 1];
+      coef += partials[j * kParts + 2];
+      clipped += partials[j * kParts + 3];
+      rejected += partials[j * kParts + 4];
     }
   } else {
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
@@ -222,6 +280,7 @@ __global__ void finish_kernel(const acc_t* partials, int64_t num_parts, const do
   changed = block_reduce(changed);
   coef = block_reduce(coef);
   clipped = block_reduce(clipped);
+  rejected = block_reduce(rejected);
   if (threadIdx.x != 0) return;
   const double tokens = work[kWTokens], seqs = work[kWSeqs];
   const double units = token_level ? tokens : seqs;
@@ -238,7 +297,7 @@ __global__ void finish_kernel(const acc_t* partials, int64_t num_parts, const do
   scalars[kNumSeqs] = static_cast<acc_t>(seqs);
   scalars[kNumNonfinite] = static_cast<acc_t>(work[kWNonfinite]);
   scalars[kPpoClipFraction] = static_cast<acc_t>(tokens > 0 ? clipped / tokens : 0.0);
-  scalars[kRejectedFraction] = acc_t(0);  // rejection is refused on CUDA so far (kernel_refusal)
+  scalars[kRejectedFraction] = static_cast<acc_t>(tokens > 0 ? rejected / tokens : 0.0);
   scalars[kOpobMaxShare] = static_cast<acc_t>(*share);
 }
 

@@ -11,7 +11,7 @@ import torch
 
 import vcpo_kernels as vk
 from support.batches import Batch, random_batch
-from support.cases import OPTION_CASES, case_runs
+from support.cases import OPTION_CASES, REJECTION_CASES, case_runs
 from support.backend_check import assert_matches, assert_refuses_other_devices, run, vcpo_op_calls
 
 GPU = torch.cuda.is_available()
@@ -59,6 +59,19 @@ def test_matches_reference_on_gpu(backend, name, with_old, layout, dtype):
     got, got_grad = run(_cuda(batch), backend, **OPTION_CASES[name])
     assert got_grad.dtype == dtype
     assert_matches(_cpu(got), got_grad.cpu(), want, want_grad, **TOL[dtype])
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("name", list(REJECTION_CASES))
+@pytest.mark.parametrize("with_old", [False, True])
+@on_gpu
+def test_rejection_on_gpu(backend, name, with_old, layout):
+    """Every rejection family (token, sequence, M2PO's batch mask) on the GPU against the float64 reference."""
+    batch = random_batch(zlib.crc32(f"gpu-reject{name}{with_old}{layout}".encode()), layout, with_old=with_old,
+                         spread=0.4, num_seqs=11)
+    want, want_grad = run(batch.to(torch.float64), "torch", **REJECTION_CASES[name])
+    got, got_grad = run(_cuda(batch), backend, **REJECTION_CASES[name])
+    assert_matches(_cpu(got), got_grad.cpu(), want, want_grad, **TOL[torch.float32])
 
 
 @pytest.mark.parametrize("scope", ["group", "batch"])

@@ -58,3 +58,13 @@ def case_runs(name: str) -> list[bool]:
     if name in ONLY_OLD:
         return [True]
     return [False, True] if name in WITH_OLD else [False]
+
+# Rejection criteria, each family once, for the GPU backends (tests/kernels/test_robust_baselines_rejection_normalisation.py
+# holds the CPU ones to more); run with old_logp as well.
+REJECTION_CASES = {
+    "reject-token-k1-k3": dict(rejection=(("token_k1", 0.7, 1.5), ("token_k3", None, 0.1)), is_level="token"),
+    "reject-seq-sum-mean-max": dict(rejection=(("seq_sum_k1", 0.3, 3.0), ("seq_mean_k2", None, 0.1),
+                                               ("seq_max_k3", None, 0.3))),
+    "reject-m2-gspo": dict(rejection=(("batch_m2", None, 0.05),), trust_region="gspo", clip_ratio=(0.03, 0.04),
+                           is_correction="none"),
+}
