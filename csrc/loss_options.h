@@ -26,7 +26,7 @@ struct LossOptions {
   bool opob_length_norm;
   OpobWeight opob_weight;
   LossAgg loss_agg;
-  OpobAggregation opob_aggregation;  // the CUDA kernels have the mean only (refused in Python otherwise)
+  OpobAggregation opob_aggregation;
   bool opob_leave_one_out;           // A_i against b_-i, the weighted mean of the other members
   TrustRegion trust_region;          // the rules beyond None and Ppo: the CPU kernels' only
   double sapo_tau_pos, sapo_tau_neg;

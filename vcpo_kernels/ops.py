@@ -227,8 +227,6 @@ def policy_loss(
         if tokens.padded_length is None:
             raise ValueError("norm_length is required for loss_agg_mode='seq-mean-token-sum-norm' with packed input")
         norm_length = max(tokens.padded_length, 1)
-    if backend == "auto" and opts.kernel_refusal("cpu") is not None:
-        backend = "torch"  # "auto" on CPU tensors is the C++ kernel, elsewhere the reference
     kernel = backends.kernel("policy_loss", backend, tokens.logp.device)
     loss, scalars, baseline, adv, s = kernel(tokens, seq, opts, norm_length)
     stats = dict(zip(SCALAR_FIELDS, scalars.unbind(0)))

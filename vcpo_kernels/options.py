@@ -30,9 +30,6 @@ LINEAR_IN_LOGP = ("cispo", "dppo_tv")
 # (batch_m2): the tokens of largest Delta^2 until the mean Delta^2 of the others is at most its bound.
 REJECTION_CRITERIA = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
                       "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3", "batch_m2")
-# Options not every compiled backend has yet, and those that have them: away from its default, an option refuses
-# the others (kernel_refusal), and backend="auto" runs the reference where "cpu" lacks it.
-_KERNEL_OPTIONS = {"opob_aggregation": ("cpu", "triton")}
 LOSS_AGG_MODES = {
     "token-mean": 0,
     "seq-mean-token-mean": 1,
@@ -258,13 +255,6 @@ class PolicyLossOptions:
         """M2PO's bound on the mean Delta^2 of the kept tokens (rejection "batch_m2"), or None."""
         return min((high for name, _, high in self.rejection if name == "batch_m2"), default=None)
 
-    def kernel_refusal(self, backend: str) -> Optional[str]:
-        """The error message of a compiled backend that lacks an option in use, or None."""
-        used = [name for name, backends in _KERNEL_OPTIONS.items() if backend not in backends and
-                getattr(self, name) != PolicyLossOptions.__dataclass_fields__[name].default]
-        if not used:
-            return None
-        return f"backend={backend!r} does not support {', '.join(used)} yet; use backend='torch' or 'auto'"
 
 
 def _bound(criterion: str, side: str, x) -> float:

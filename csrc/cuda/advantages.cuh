@@ -22,6 +22,10 @@ struct Groups {
   const int64_t* order;
   const int64_t* start;
   bool leave_one_out;  // OPOB's A_i against b_-i, the weighted mean of the other members
+  // OPOB's b from the weighted quantiles (docs/contract.md, "Advantages"): median, or the winsorized mean between the
+  // quantiles winsorize_low and winsorize_high
+  OpobAggregation aggregation = OpobAggregation::Mean;
+  double winsorize_low = 0, winsorize_high = 1;
 };
 
 // Rows of the per-group stats: count, mean, population variance, baseline, the largest OPOB weight share; with
@@ -75,6 +79,58 @@ __device__ void shifted_sums(const Groups& g, int64_t begin, int64_t end, double
   sum_wd = block_reduce(sum_wd);
 }
 
+// W_j / max W of member i (shift: the group's max log W; every W = 0, shift -inf: 1, the members weigh equally).
+template <typename acc_t>
+__device__ __forceinline__ double shifted_weight(const Groups& g, int64_t i, double shift) {
+  return shift == -kInf ? 1.0 : exp(opob_log_w<acc_t>(g, i) - shift);
+}
+
+// The weighted q-quantile of group [begin, end)'s rewards: the smallest R_k with F_k = sum_j W_j [R_j <= R_k] >=
+// q sum_j W_j (tied rewards share F), the group's largest reward where rounding leaves none. O(n_g^2): each thread
+// takes members k, each F_k a sum in member order. Every thread gets it.
+template <typename acc_t>
+__device__ double weighted_quantile(const Groups& g, int64_t begin, int64_t end, double shift, double total, double q) {
+  const acc_t* r = static_cast<const acc_t*>(g.rewards);
+  double smallest = kInf, largest = -kInf;
+  for (int64_t k = begin + threadIdx.x; k < end; k += blockDim.x) {
+    const int64_t i = g.order ? g.order[k] : k;
+    if (!valid<acc_t>(g, i)) continue;
+    double f = 0;
+    for (int64_t m = begin; m < end; ++m) {
+      const int64_t j = g.order ? g.order[m] : m;
+      if (valid<acc_t>(g, j) && r[j] <= r[i]) f += shifted_weight<acc_t>(g, j, shift);
+    }
+    if (f >= q * total) smallest = fmin(smallest, double(r[i]));
+    largest = fmax(largest, double(r[i]));
+  }
+  smallest = -block_reduce<double, true>(-smallest);
+  largest = block_reduce<double, true>(largest);
+  return smallest == kInf ? largest : smallest;
+}
+
+// OPOB's b of opob_aggregation median or winsorized_mean over group [begin, end) (count > 0 members; shift: the max
+// log W, finite or -inf). winsorized: lo + sum W (clip(R, lo, hi) - lo) / sum W, exact for one member or equal rewards.
+template <typename acc_t>
+__device__ double robust_baseline(const Groups& g, int64_t begin, int64_t end, double shift) {
+  const acc_t* r = static_cast<const acc_t*>(g.rewards);
+  double total = 0;
+  for (int64_t k = begin + threadIdx.x; k < end; k += blockDim.x) {
+    const int64_t i = g.order ? g.order[k] : k;
+    if (valid<acc_t>(g, i)) total += shifted_weight<acc_t>(g, i, shift);
+  }
+  total = block_reduce(total);
+  if (g.aggregation == OpobAggregation::Median) return weighted_quantile<acc_t>(g, begin, end, shift, total, 0.5);
+  const double lo = weighted_quantile<acc_t>(g, begin, end, shift, total, g.winsorize_low);
+  const double hi = weighted_quantile<acc_t>(g, begin, end, shift, total, g.winsorize_high);
+  double sum = 0;
+  for (int64_t k = begin + threadIdx.x; k < end; k += blockDim.x) {
+    const int64_t i = g.order ? g.order[k] : k;
+    if (valid<acc_t>(g, i)) sum += shifted_weight<acc_t>(g, i, shift) * (fmin(fmax(double(r[i]), lo), hi) - lo);
+  }
+  sum = block_reduce(sum);
+  return lo + sum / total;
+}
+
 // stats[:, g] (the rows of StatRow) of group g's valid members: one block per group, reading its members only.
 template <typename acc_t>
 __global__ void group_stats_kernel(Groups g, double* stats) {
@@ -111,6 +167,9 @@ __global__ void group_stats_kernel(Groups g, double* stats) {
     shifted_sums<acc_t>(g, begin, end, mean, shift, -1, sum_w, sum_wd);
     // b = mean + sum W (R - mean) / sum W: exact for one member or equal rewards; every W = 0: the mean
     baseline = shift == -kInf ? mean : mean + sum_wd / sum_w;
+    if (g.aggregation != OpobAggregation::Mean && count > 0) {  // a NaN or +inf W: NaN, as the mean's
+      baseline = (shift != shift || shift == kInf) ? NAN : robust_baseline<acc_t>(g, begin, end, shift);
+    }
     // max W / sum W = 1 / sum exp(log W - max); every W = 0: 1 / n_g; a NaN or +inf W: NaN; no member: 0
     share = count == 0 ? 0.0 : (shift != shift || shift == kInf) ? NAN : shift == -kInf ? 1.0 / count : 1.0 / sum_w;
     if (g.leave_one_out) {

@@ -231,7 +231,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> policy_loss_cuda(
     } else {
       const Groups g{rewards->data_ptr(), length.data_ptr(), group_index ? group_index->data_ptr<int64_t>() : nullptr,
                      b, num_groups, s.data_ptr(), grad_sq_norm ? grad_sq_norm->data_ptr() : nullptr,
-                     o.opob_length_norm, o.opob_weight, o.log_threshold, nullptr, nullptr, o.opob_leave_one_out};
+                     o.opob_length_norm, o.opob_weight, o.log_threshold, nullptr, nullptr, o.opob_leave_one_out,
+                     o.opob_aggregation, o.winsorize_low, o.winsorize_high};
       std::tie(baseline, adv, share) = advantages<acc_t>(g, group_index, o.advantage, o.norm_by_std, opts);
     }
     const bool token_pass = old_logp.has_value() || o.is_level == IsLevel::Token || p.rule != TrustRegion::None ||

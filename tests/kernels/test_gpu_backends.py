@@ -11,7 +11,7 @@ import torch
 
 import vcpo_kernels as vk
 from support.batches import Batch, random_batch
-from support.cases import OPTION_CASES, REJECTION_CASES, case_runs
+from support.cases import OPTION_CASES, GPU_EXTRA_CASES, case_runs
 from support.backend_check import assert_matches, assert_refuses_other_devices, run, vcpo_op_calls
 
 GPU = torch.cuda.is_available()
@@ -62,15 +62,16 @@ def test_matches_reference_on_gpu(backend, name, with_old, layout, dtype):
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
-@pytest.mark.parametrize("name", list(REJECTION_CASES))
+@pytest.mark.parametrize("name", list(GPU_EXTRA_CASES))
 @pytest.mark.parametrize("with_old", [False, True])
 @on_gpu
-def test_rejection_on_gpu(backend, name, with_old, layout):
-    """Every rejection family (token, sequence, M2PO's batch mask) on the GPU against the float64 reference."""
+def test_rejection_and_robust_baselines_on_gpu(backend, name, with_old, layout):
+    """Every rejection family (token, sequence, M2PO's batch mask) and OPOB's median and winsorized mean on the GPU
+    against the float64 reference."""
     batch = random_batch(zlib.crc32(f"gpu-reject{name}{with_old}{layout}".encode()), layout, with_old=with_old,
                          spread=0.4, num_seqs=11)
-    want, want_grad = run(batch.to(torch.float64), "torch", **REJECTION_CASES[name])
-    got, got_grad = run(_cuda(batch), backend, **REJECTION_CASES[name])
+    want, want_grad = run(batch.to(torch.float64), "torch", **GPU_EXTRA_CASES[name])
+    got, got_grad = run(_cuda(batch), backend, **GPU_EXTRA_CASES[name])
     assert_matches(_cpu(got), got_grad.cpu(), want, want_grad, **TOL[torch.float32])
 
 

@@ -187,21 +187,6 @@ def test_options_are_checked():
     assert vk.PolicyLossOptions(rejection=[["token_k1", 0.5, 2]]).rejection == (("token_k1", 0.5, 2.0),)
 
 
-@pytest.mark.parametrize("kw,lacking", [(dict(opob_aggregation="median"), ())])
-def test_compiled_backends_refuse_what_they_lack(kw, lacking):
-    batch = random_batch(0, "padded")
-    opts = vk.PolicyLossOptions(**kw)
-    name = next(iter(kw))
-    for backend in [b for b in lacking if b in vk.available_backends("cpu")]:
-        with pytest.raises(ValueError, match=f"backend='{backend}' does not support {name}"):
-            vk.policy_loss(batch.logp, batch.behavior_logp, options=opts, backend=backend, **batch.kwargs())
-    assert f"backend='cuda' does not support {name}" in opts.kernel_refusal("cuda")
-    if "cpu" in lacking:  # "auto" runs the reference
-        auto = vk.policy_loss(batch.logp, batch.behavior_logp, options=opts, **batch.kwargs())
-        ref = vk.policy_loss(batch.logp, batch.behavior_logp, options=opts, backend="torch", **batch.kwargs())
-        assert torch.equal(auto.loss, ref.loss)
-
-
 AGGREGATION_CASES = {k: v for k, v in NEW_CASES.items() if "opob_aggregation" in v and "rejection" not in v}
 REJECTION_CASES = {k: v for k, v in NEW_CASES.items() if "rejection" in v}
 

@@ -23,11 +23,7 @@ def poison_heap(*numels: int) -> None:
 
 
 def run(batch: Batch, backend: str, *, advantages=None, **options):
-    """(result, d loss / d logp) of one forward and backward; skipped where the backend refuses the options (the
-    refusals are tested in test_bad_input.py)."""
-    refusal = vk.PolicyLossOptions(**options).kernel_refusal(backend) if backend != "torch" else None
-    if refusal is not None:
-        pytest.skip(refusal)
+    """(result, d loss / d logp) of one forward and backward."""
     logp = batch.logp.detach().clone().requires_grad_()
     kw = batch.kwargs()
     if advantages is not None:

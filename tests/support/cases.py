@@ -59,9 +59,11 @@ def case_runs(name: str) -> list[bool]:
         return [True]
     return [False, True] if name in WITH_OLD else [False]
 
-# Rejection criteria, each family once, for the GPU backends (tests/kernels/test_robust_baselines_rejection_normalisation.py
-# holds the CPU ones to more); run with old_logp as well.
-REJECTION_CASES = {
+# Rejection criteria and OPOB's robust aggregations, each family once, for the GPU backends
+# (tests/kernels/test_robust_baselines_rejection_normalisation.py holds the CPU ones to more); run with old_logp as well.
+GPU_EXTRA_CASES = {
+    "median": dict(opob_aggregation="median"),
+    "winsorized-narrow": dict(opob_aggregation="winsorized_mean", opob_winsorize_quantiles=(0.3, 0.6)),
     "reject-token-k1-k3": dict(rejection=(("token_k1", 0.7, 1.5), ("token_k3", None, 0.1)), is_level="token"),
     "reject-seq-sum-mean-max": dict(rejection=(("seq_sum_k1", 0.3, 3.0), ("seq_mean_k2", None, 0.1),
                                                ("seq_max_k3", None, 0.3))),

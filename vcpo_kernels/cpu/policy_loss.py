@@ -19,11 +19,8 @@ def _fake_backward(grad_loss, logp, *rest):
     return torch.empty_like(logp)
 
 
-def policy_loss(tokens: TokenBatch, seq: SequenceBatch, opts: PolicyLossOptions, norm_length, backend="cpu"):
+def policy_loss(tokens: TokenBatch, seq: SequenceBatch, opts: PolicyLossOptions, norm_length):
     """(loss, scalars, baseline, advantages, seq_log_weight); autograd is registered in C++ (csrc/autograd.cpp)."""
-    refusal = opts.kernel_refusal(backend)
-    if refusal is not None:
-        raise ValueError(refusal)
     t = tokens
     loss, scalars, baseline, adv, s, _ = torch.ops.vcpo.policy_loss(
         t.logp, t.behavior_logp.detach(), None if t.old_logp is None else t.old_logp.detach(), t.mask, t.cu_seqlens,

@@ -5,17 +5,11 @@ of torch (setup.py); importing this package raises ImportError when the extensio
 
 import torch
 
-from ..cpu import effective_sample_size, linear_logprobs, opob_baseline, sequence_stats
-from ..cpu import policy_loss as _policy_loss
+from ..cpu import effective_sample_size, linear_logprobs, opob_baseline, policy_loss, sequence_stats
 
 if not torch._C._dispatch_has_kernel_for_dispatch_key("vcpo::policy_loss", "CUDA"):
     raise ImportError("vcpo_kernels._C was built without its CUDA kernels (a CPU build of torch, or "
                       "VCPO_BUILD_CUDA=0)")
-
-
-
-def policy_loss(tokens, seq, opts, norm_length):
-    return _policy_loss(tokens, seq, opts, norm_length, backend="cuda")
 
 
 __all__ = ["sequence_stats", "effective_sample_size", "opob_baseline", "policy_loss", "linear_logprobs"]

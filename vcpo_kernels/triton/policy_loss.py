@@ -415,7 +415,4 @@ class _PolicyLoss(torch.autograd.Function):
 
 def policy_loss(tokens: TokenBatch, seq: SequenceBatch, opts: PolicyLossOptions, norm_length):
     """(loss, scalars, baseline, advantages, seq_log_weight); autograd to tokens.logp."""
-    refusal = opts.kernel_refusal("triton")
-    if refusal is not None:
-        raise ValueError(refusal)
     return _PolicyLoss.apply(tokens.logp, tokens, seq, opts, norm_length)
