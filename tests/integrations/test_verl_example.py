@@ -54,3 +54,25 @@ def test_the_example_composes_in_verls_config_with_the_documented_switch():
     assert rollout.calculate_log_probs  # the behaviour log-probs the bypass mode needs
     # one node of 8 GPUs: 4 train, 4 sample
     assert cfg.trainer.n_gpus_per_node + rollout.n_gpus_per_node == 8 and cfg.trainer.v1.sampler.max_off_policy_threshold == 8
+
+
+def test_a_trust_region_mode_composes_in_verls_config():
+    """The example's switch with loss_mode=vcpo_gspo and verl's own GSPO bounds, no rollout_is (docs/integrations.md,
+    "verl's own rules with VCPO's parts"): verl's config takes it, and the loss reads the bounds from verl's fields."""
+    overrides = [o for o in script_overrides() if "rollout_correction.rollout_is" not in o and "loss_mode=" not in o]
+    overrides += ["actor_rollout_ref.actor.policy_loss.loss_mode=vcpo_gspo",
+                  "+actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_is=null",
+                  "actor_rollout_ref.actor.clip_ratio_low=0.0003", "actor_rollout_ref.actor.clip_ratio_high=0.0004"]
+    actor = omega_conf_to_dataclass(compose_actor(overrides))
+    assert actor.policy_loss.loss_mode == "vcpo_gspo"
+    options = vv.loss_options(actor, actor.loss_agg_mode, "gspo")
+    assert (options.trust_rule, options.clip_ratio, options.is_correction) == ("gspo", (0.0003, 0.0004), "none")
+    # without the rollout_is line verl's dataclass default (sequence-level IS) would reach the loss: refused
+    default = omega_conf_to_dataclass(compose_actor(overrides[:-3] + overrides[-2:]))
+    with pytest.raises(ValueError, match="rollout_is=null"):
+        vv.loss_options(default, default.loss_agg_mode, "gspo")
+
+
+def compose_actor(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(Path(verl.__file__).parent / "trainer" / "config"), version_base=None):
+        return compose(config_name="ppo_trainer", overrides=overrides).actor_rollout_ref.actor
