@@ -28,14 +28,14 @@ struct LossOptions {
   LossAgg loss_agg;
   OpobAggregation opob_aggregation;
   bool opob_leave_one_out;           // A_i against b_-i, the weighted mean of the other members
-  TrustRegion trust_region;          // the rules beyond None and Ppo: the CPU kernels' only
+  TrustRegion trust_region;
   double sapo_tau_pos, sapo_tau_neg;
   double log_threshold, log_threshold_low;  // log C, log C_low
   double ess_base_ratio;
   std::optional<double> clip_low, clip_high, clip_c;  // PPO clipping and its dual clip, when on
   double norm_length;
   double winsorize_low, winsorize_high;  // the quantiles of opob_aggregation = winsorized_mean
-  // The rejection criteria (bit j: criterion j of Rejection, the CPU kernels' only) and their bounds.
+  // The rejection criteria (bit j: criterion j of Rejection) and their bounds.
   int64_t rejection;
   double reject_low[kNumRejection], reject_high[kNumRejection];
   bool rejects(Rejection j) const { return (rejection >> static_cast<int64_t>(j)) & 1; }

@@ -31,7 +31,7 @@ struct TokenSums {
   acc_t* changed;      // token-level units the IS correction changed
   acc_t* coef;         // sum_t c_tok
   acc_t* ppo_clipped;  // tokens the trust region acted on
-  acc_t* rejected;     // tokens a token_k* rejection criterion removed
+  acc_t* rejected;     // tokens a token_k* or batch_m2 rejection criterion removed
   VCPO_INLINE void store(int64_t i, acc_t l, acc_t ch, acc_t co, acc_t cl, acc_t re) const {
     loss[i] = l;
     changed[i] = ch;
@@ -106,7 +106,7 @@ VCPO_INLINE void token_pass_one(const TokenView& v, int64_t i, acc_t adv, acc_t 
       on_clip = on_clip || take_dual;
     }
     loss += keep(dropped ? acc_t(0) : c * val, counted);
-    clipped += keep(on_clip ? acc_t(1) : acc_t(0), counted);
+    clipped += keep(on_clip && !dropped ? acc_t(1) : acc_t(0), counted);
     if (WriteGrad) store(grad, t, keep(dropped ? acc_t(0) : grad_scale * c * dval * r, counted));
   }
   if (!WriteGrad) sums.store(i, loss, changed, coef_sum, clipped, rejected);

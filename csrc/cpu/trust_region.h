@@ -62,7 +62,7 @@ inline TokenSurrogate<acc_t> rule_surrogate(acc_t cur, acc_t anchor, acc_t seq_r
     case TrustRegion::Gspo:  // the token form: the sequence's ratio, d rho / d lp = rho
       return clipped_ratio(seq_ratio, seq_ratio, adv, p);
     case TrustRegion::Gmpo: {
-      const bool inside = adv > 0 ? !(delta > p.eps_hi) : adv < 0 ? !(delta < -p.eps_lo) : true;
+      const bool inside = adv > 0 ? delta <= p.eps_hi : adv < 0 ? delta >= -p.eps_lo : delta == delta;  // NaN: not
       return {-adv * seq_ratio, inside ? -adv * seq_ratio : acc_t(0), !inside};
     }
     case TrustRegion::Cispo: {

@@ -129,7 +129,7 @@ __device__ __forceinline__ Surrogate<acc_t> rule_terms(acc_t cur, acc_t anchor, 
                                                         const Params& p) {
   const acc_t eps_lo = acc_t(p.eps_lo), eps_hi = acc_t(p.eps_hi);
   if (p.rule == TrustRegion::Gmpo) {
-    const bool inside = adv > 0 ? !(d > eps_hi) : adv < 0 ? !(d < -eps_lo) : true;
+    const bool inside = adv > 0 ? d <= eps_hi : adv < 0 ? d >= -eps_lo : d == d;  // a NaN d is not inside
     return {-adv * rho_seq, inside ? -adv * rho_seq : acc_t(0), !inside};
   }
   const acc_t rho = exp(d);
@@ -198,7 +198,9 @@ __global__ void token_pass_kernel(Tokens t, Params p, const acc_t* adv_in, const
     const acc_t anchor = mu_anchor ? mu : prox;
     acc_t d = dropped ? acc_t(0) : cur - anchor;
     if (SeqPass) {
-      if (p.rule == TrustRegion::Gmpo) d = adv > 0 ? min(d, acc_t(p.eps_hi)) : adv < 0 ? max(d, -acc_t(p.eps_lo)) : d;
+      if (p.rule == TrustRegion::Gmpo) {  // not min / max (fmin, fmax): a NaN must stay NaN
+        d = adv > 0 && d > acc_t(p.eps_hi) ? acc_t(p.eps_hi) : adv < 0 && d < -acc_t(p.eps_lo) ? -acc_t(p.eps_lo) : d;
+      }
       loss += dropped ? acc_t(0) : d;
       kept += dropped ? acc_t(0) : acc_t(1);
       return acc_t(0);

@@ -180,3 +180,46 @@ def test_m2po_mask_edges(backend):
     got, got_grad = run(batch, backend, advantages=adv, rejection=(("batch_m2", None, 0.05),), is_level="token")
     assert got_grad[row, col] == 0 and 0 < got.rejected_fraction.item() < 1
     assert_matches(got, got_grad, want, want_grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", COMPILED_BACKENDS)
+def test_m2po_threshold_agrees_at_the_bound_in_fp32(backend):
+    """fp32 inputs with the bound set to a rest mean exactly: Delta in fp32, its square and the order statistic in
+    float64 on every backend, so the float32 reference and the compiled op mask the same tokens."""
+    for seed in range(8):
+        batch = random_batch(seed, "packed", spread=0.4, num_seqs=9)
+        counted = batch.mask if batch.mask is not None else torch.ones_like(batch.logp, dtype=torch.bool)
+        d = (batch.logp - batch.behavior_logp)[counted].double()
+        v = torch.sort(d * d, descending=True).values
+        bound = float(v[3:].mean())  # the rest after the 3 largest: a tie with the criterion's <=
+        want, want_grad = run(batch, "torch", rejection=(("batch_m2", None, bound),), is_level="token")
+        got, got_grad = run(batch, backend, rejection=(("batch_m2", None, bound),), is_level="token")
+        assert got.rejected_fraction.item() == want.rejected_fraction.item()
+        assert_matches(got, got_grad, want, want_grad, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("backend", COMPILED_BACKENDS)
+def test_nan_log_ratio_and_overflow_agree_with_the_reference(backend):
+    """A NaN log ratio under GMPO stays NaN (it is not clipped to a bound), a ratio that overflows under SAPO has a
+    zero slope, and a removed unit with a NaN advantage takes no clip branch: every backend as the reference."""
+    batch = random_batch(61, "padded", dtype=torch.float64, with_old=True)
+    row, col = 4, int(batch.mask[4].nonzero()[0, 0])
+    nan_old = batch.old_logp.clone()
+    nan_old[row, col] = torch.nan
+    cases = [dict(trust_region="gmpo", clip_ratio=(0.1, 0.15), is_correction="none"),
+             dict(trust_region="sapo", is_correction="none"),
+             dict(clip_ratio=(0.2, 0.2), is_correction="mask", is_threshold=1.3)]
+    for options in cases:
+        b = random_batch(61, "padded", dtype=torch.float64, with_old=True)
+        b.old_logp, b.behavior_logp = b.old_logp.clone(), b.behavior_logp.clone()
+        if options.get("trust_region") == "gmpo":
+            b.old_logp = nan_old
+        elif options.get("trust_region") == "sapo":  # lp - lp_old = +inf: rho overflows
+            b.old_logp[row, col] = -torch.inf
+        else:  # mu = -inf: s = +inf, its unit masked (c = 0) and its group's OPOB advantages NaN
+            b.behavior_logp[row, col] = -torch.inf
+        want, want_grad = run(b, "torch", **options)
+        got, got_grad = run(b, backend, **options)
+        for name in ("loss", "ppo_clip_fraction"):
+            torch.testing.assert_close(getattr(got, name), getattr(want, name), equal_nan=True, msg=name)
+        torch.testing.assert_close(got_grad, want_grad, equal_nan=True, rtol=1e-10, atol=1e-12)

@@ -35,8 +35,8 @@ def rejected_tokens(delta: Tensor, counted: Tensor, ids: Tensor, length: Tensor,
     b = length.numel()
     for name, low, high in opts.rejection:
         scope, kind = name.rsplit("_", 1)
-        if scope == "batch":  # M2PO: Delta^2 at or above the batch's threshold (a NaN fails)
-            square = delta * delta
+        if scope == "batch":  # M2PO: Delta^2 (in float64) at or above the batch's threshold (a NaN fails)
+            square = delta.double() * delta.double()
             rejected |= counted & ~(square < second_moment_threshold(square, counted, opts.second_moment_bound))
             continue
         token = {"k1": delta, "k2": 0.5 * delta * delta, "k3": torch.expm1(delta) - delta}[kind]
@@ -53,9 +53,9 @@ def rejected_tokens(delta: Tensor, counted: Tensor, ids: Tensor, length: Tensor,
 
 
 def second_moment_threshold(square: Tensor, counted: Tensor, bound: float) -> Tensor:
-    """M2PO's threshold: with v_1 >= v_2 >= ... the counted tokens' finite-or-infinite Delta^2 (NaN left out), the
-    smallest k whose rest v_{k+1..n} has a mean <= bound (an empty rest: 0), and v_k (+inf for k = 0): the tokens
-    at or above it are masked. Suffix sums from the smallest value up; no host sync."""
+    """M2PO's threshold: with v_1 >= v_2 >= ... the counted tokens' finite-or-infinite Delta^2 (`square`, float64;
+    NaN left out), the smallest k whose rest v_{k+1..n} has a mean <= bound (an empty rest: 0), and v_k (+inf for
+    k = 0): the tokens at or above it are masked. Suffix sums from the smallest value up; no host sync."""
     values = torch.where(counted & ~torch.isnan(square), square, -torch.inf)
     v = torch.sort(values.flatten(), descending=True).values
     n = (v > -torch.inf).sum()
@@ -65,7 +65,7 @@ def second_moment_threshold(square: Tensor, counted: Tensor, bound: float) -> Te
     rest_mean = suffix / (n - index).clamp(min=1)
     first_ok = torch.where(inside & (rest_mean <= bound), index, n).min() if v.numel() else n
     padded = torch.cat([v.new_full((1,), torch.inf), v])  # padded[k] = v_k, the k-th largest (1-based)
-    return padded[first_ok.clamp(max=v.numel())]
+    return padded.index_select(0, first_ok.clamp(max=v.numel()).reshape(1)).squeeze(0)  # a tensor index: no sync
 
 
 def ratio_anchor(tokens: TokenBatch, prox: Tensor, opts: PolicyLossOptions) -> Optional[Tensor]:

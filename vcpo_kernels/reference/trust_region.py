@@ -24,6 +24,24 @@ class UnitRatio(torch.autograd.Function):
         return grad
 
 
+class SapoGate(torch.autograd.Function):
+    """SAPO's gate (4 / tau) sigmoid(tau (rho - 1)) of rho = exp(d), and its slope d / d d = 4 s (1 - s) rho formed
+    from e = exp(-|x|), x = tau (rho - 1): 0 where rho overflows (autograd would give 0 * inf there)."""
+
+    @staticmethod
+    def forward(ctx, d, tau):
+        rho = torch.exp(d)
+        x = tau * (rho - 1)
+        e = torch.exp(-torch.abs(x))
+        ctx.save_for_backward(torch.where(torch.isinf(rho), 0, 4 * e / ((1 + e) * (1 + e)) * rho))
+        return 4 / tau * torch.where(x >= 0, 1 / (1 + e), e / (1 + e))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (slope,) = ctx.saved_tensors
+        return grad * slope, None
+
+
 def ppo_surrogate(r: Tensor, adv: Tensor, opts: PolicyLossOptions):
     """(p, on_clip): p(r) = -A r, with PPO's clip (and dual clip) when clip_ratio is given."""
     p = -adv * r
@@ -72,8 +90,8 @@ def surrogate(lp: Tensor, anchor: Optional[Tensor], adv: Tensor, kept: Tensor, i
         return -adv * rho_seq * torch.where(inside, unit, unit.detach()), ~inside
     if rule == "sapo":  # a soft gate in place of the clip
         tau_pos, tau_neg = opts.sapo_tau
-        tau = torch.where(adv > 0, adv.new_tensor(tau_pos), adv.new_tensor(tau_neg))
-        return -adv * (4 / tau) * torch.sigmoid(tau * (torch.exp(delta) - 1)), torch.zeros_like(kept)
+        tau = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))
+        return -adv * SapoGate.apply(delta, tau), torch.zeros_like(kept)
     eps_low, eps_high = opts.clip_ratio
     rho = torch.exp(delta.detach())
     if rule == "cispo":  # REINFORCE with the clipped ratio as a constant weight: clipped tokens keep a gradient

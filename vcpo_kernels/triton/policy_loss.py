@@ -162,7 +162,7 @@ def _token_pass(lp_ptr, mu_ptr, old_ptr, mask_ptr, cu_ptr, chunk_end_ptr, adv_pt
         adv = tl.load(adv_ptr + seq).to(acc_t)
         gs = tl.load(gs_ptr + seq).to(acc_t)
         rho_seq = tl.load(rho_ptr + seq).to(acc_t)
-        m2_threshold = tl.load(m2_ptr).to(acc_t)
+        m2_threshold = tl.load(m2_ptr)  # float64: compared with Delta^2 in float64
         seq_rejected = tl.load(seq_rejected_ptr + seq) != 0  # its token rejections are not counted again
         if WRITE_GRAD:
             gs = gs * tl.load(grad_loss_ptr).to(acc_t)
@@ -206,9 +206,10 @@ def _token_pass(lp_ptr, mu_ptr, old_ptr, mask_ptr, cu_ptr, chunk_end_ptr, adv_pt
                 anchor = tl.where(counted, tl.load(mu_ptr + t, mask=counted, other=0.0).to(acc_t), 0.0)
             log_ratio = tl.where(dropped, 0.0, cur - anchor)
             if SEQ_PASS:
-                if RULE == RULE_GMPO:
-                    log_ratio = tl.where(adv > 0, tl.minimum(log_ratio, eps_hi),
-                                         tl.where(adv < 0, tl.maximum(log_ratio, -eps_lo), log_ratio))
+                if RULE == RULE_GMPO:  # where, not tl.minimum: a NaN must stay NaN
+                    log_ratio = tl.where(adv > 0, tl.where(log_ratio > eps_hi, eps_hi, log_ratio),
+                                         tl.where(adv < 0, tl.where(log_ratio < -eps_lo, -eps_lo, log_ratio),
+                                                  log_ratio))
                 loss += tl.where(counted & ~dropped, log_ratio, 0.0)
                 kept += tl.where(counted & ~dropped, 1.0, 0.0).to(acc_t)
             else:

@@ -27,8 +27,9 @@ def token_rejected(d, k1_lo, k1_hi, k2_hi, k3_hi, m2_threshold, REJECT_K1: tl.co
         out = out | ~(0.5 * d * d <= k2_hi)
     if REJECT_K3:
         out = out | ~(k3_term(d) <= k3_hi)
-    if REJECT_M2:
-        out = out | ~(d * d < m2_threshold)
+    if REJECT_M2:  # Delta^2 in float64, as the threshold's order statistic
+        d64 = d.to(tl.float64)
+        out = out | ~(d64 * d64 < m2_threshold)
     return out
 
 
@@ -87,12 +88,12 @@ def _sequence_statistics(t: TokenBatch, plan) -> dict:
                                     BLOCK=BLOCK)
     k1, k2, k3 = combine(sums, chunk_end, b)
     # each chunk's maximum to its sequence: the sequence of chunk c is the first whose chunk_end exceeds c
-    chunk_seq = torch.searchsorted(chunk_end, torch.arange(maxima.shape[0], device=device), right=True)
-    inside = chunk_seq < b
-    top = torch.full((2, b), -math.inf, dtype=acc, device=device)
+    # (a chunk past the last sequence, or an unused one, goes to the spare slot b: no boolean indexing, no sync)
+    chunk_seq = torch.searchsorted(chunk_end, torch.arange(maxima.shape[0], device=device), right=True).clamp(max=b)
+    top = torch.full((2, b + 1), -math.inf, dtype=acc, device=device)
     for j in range(2):  # amax propagates NaN: a NaN maximum fails the criterion
-        top[j].scatter_reduce_(0, chunk_seq[inside], maxima[inside, j], "amax")
-    return {"sum_k1": k1, "sum_k2": k2, "sum_k3": k3, "max_k2": top[0], "max_k3": top[1]}
+        top[j].scatter_reduce_(0, chunk_seq, maxima[:, j], "amax")
+    return {"sum_k1": k1, "sum_k2": k2, "sum_k3": k3, "max_k2": top[0, :b], "max_k3": top[1, :b]}
 
 
 def sequence_rejection(t: TokenBatch, plan, length: torch.Tensor, opts: PolicyLossOptions) -> torch.Tensor:
@@ -115,8 +116,8 @@ def sequence_rejection(t: TokenBatch, plan, length: torch.Tensor, opts: PolicyLo
 
 def token_criteria(t: TokenBatch, opts: PolicyLossOptions) -> dict:
     """The token pass's rejection arguments: the k1 bounds (log r, the entries' intersection) and the k2 and k3
-    upper bounds (PolicyLossOptions.packed), M2PO's threshold ([1] on the device, +inf without it: Delta^2 formed
-    as the token pass forms it, the order statistic in float64) and the flags."""
+    upper bounds (PolicyLossOptions.packed), M2PO's threshold ([1] float64 on the device, +inf without it: Delta in
+    the accumulation dtype, as the token pass forms it, squared and ordered in float64) and the flags."""
     packed = dict(zip(LOSS_VALUES, opts.packed(None)[1]))
     bounds = tuple(packed[k] for k in ("token_k1_low", "token_k1_high", "token_k2_high", "token_k3_high"))
     names = {name for name, _, _ in opts.rejection}
@@ -127,7 +128,7 @@ def token_criteria(t: TokenBatch, opts: PolicyLossOptions) -> dict:
         counted = torch.ones_like(t.logp, dtype=torch.bool) if t.mask is None else t.mask != 0
         prox = t.logp.detach() if t.old_logp is None else t.old_logp
         delta = torch.where(counted, prox.to(acc) - t.behavior_logp.to(acc), 0)
-        threshold = second_moment_threshold((delta * delta).double(), counted, bound).reshape(1)
+        threshold = second_moment_threshold(delta.double() * delta.double(), counted, bound).reshape(1)
     return dict(bounds=bounds, threshold=threshold,
                 flags=dict(REJECT_K1="token_k1" in names, REJECT_K2="token_k2" in names,
                            REJECT_K3="token_k3" in names, REJECT_M2=bound is not None))
