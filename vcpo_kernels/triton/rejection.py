@@ -11,7 +11,7 @@ import triton.language as tl
 from ..inputs import TokenBatch
 from ..options import LOSS_VALUES, PolicyLossOptions
 from ..reference.policy_loss import second_moment_threshold
-from .segments import BLOCK, CHUNK, chunk_span, combine, k3_term
+from .segments import BLOCK, CHUNK, chunk_span, combine, counted_deltas, k3_term
 
 SEQUENCE_STATISTICS = 5  # per sequence: the sums of k1, k2, k3 and the maxima of k2, k3 over its counted tokens
 
@@ -49,12 +49,7 @@ def _sequence_partials(lp_ptr, mu_ptr, old_ptr, mask_ptr, cu_ptr, chunk_end_ptr,
         top3 = tl.full((BLOCK,), -float("inf"), acc_t)
         for start in range(first, last, BLOCK):
             t = start + tl.arange(0, BLOCK)
-            counted = t < last
-            if HAS_MASK:
-                counted = counted & (tl.load(mask_ptr + t, mask=counted, other=0) != 0)
-            src = old_ptr if HAS_OLD else lp_ptr
-            prox = tl.load(src + t, mask=counted, other=0.0).to(acc_t)
-            d = tl.where(counted, prox - tl.load(mu_ptr + t, mask=counted, other=0.0).to(acc_t), 0.0)
+            counted, d = counted_deltas(t, last, lp_ptr, mu_ptr, old_ptr, mask_ptr, HAS_OLD, HAS_MASK, ACC64)
             half_square = 0.5 * d * d
             k3_d = k3_term(d)
             k1 += d

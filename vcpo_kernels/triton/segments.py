@@ -68,6 +68,20 @@ def combine(partials: torch.Tensor, chunk_end: torch.Tensor, num_seqs: int) -> t
 
 
 @triton.jit
+def counted_deltas(t, last, lp_ptr, mu_ptr, old_ptr, mask_ptr, HAS_OLD: tl.constexpr, HAS_MASK: tl.constexpr,
+                   ACC64: tl.constexpr):
+    """(counted, Delta) of the tokens t of a chunk ending at `last`: Delta = lp_prox - mu in the accumulation
+    dtype, 0 where the token does not count (its values are never read)."""
+    acc_t = tl.float64 if ACC64 else tl.float32
+    counted = t < last
+    if HAS_MASK:
+        counted = counted & (tl.load(mask_ptr + t, mask=counted, other=0) != 0)
+    src = old_ptr if HAS_OLD else lp_ptr
+    prox = tl.load(src + t, mask=counted, other=0.0).to(acc_t)
+    return counted, tl.where(counted, prox - tl.load(mu_ptr + t, mask=counted, other=0.0).to(acc_t), 0.0)
+
+
+@triton.jit
 def k3_term(d):
     """exp(d) - 1 - d without cancellation: its Taylor series up to d^10 for |d| < 0.1 (relative error below
     1e-16), the direct form elsewhere (>= 0.0048 there)."""

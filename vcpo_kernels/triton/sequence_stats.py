@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from ..inputs import TokenBatch
-from .segments import BLOCK, CHUNK, chunk_plan, chunk_span, combine, k3_term
+from .segments import BLOCK, CHUNK, chunk_plan, chunk_span, combine, counted_deltas, k3_term
 
 
 @triton.jit
@@ -22,12 +22,7 @@ def _partials(lp_ptr, mu_ptr, old_ptr, mask_ptr, cu_ptr, chunk_end_ptr, part_ptr
         k3 = tl.zeros((BLOCK,), acc_t)
         for start in range(first, last, BLOCK):
             t = start + tl.arange(0, BLOCK)
-            counted = t < last
-            if HAS_MASK:
-                counted = counted & (tl.load(mask_ptr + t, mask=counted, other=0) != 0)
-            src = old_ptr if HAS_OLD else lp_ptr
-            prox = tl.load(src + t, mask=counted, other=0.0).to(acc_t)
-            d = tl.where(counted, prox - tl.load(mu_ptr + t, mask=counted, other=0.0).to(acc_t), 0.0)
+            counted, d = counted_deltas(t, last, lp_ptr, mu_ptr, old_ptr, mask_ptr, HAS_OLD, HAS_MASK, ACC64)
             s += d
             length += counted.to(acc_t)
             k3 += tl.where(d == -float("inf"), 0.0, k3_term(d))  # a zero weight (log pi = -inf): left out
