@@ -3,6 +3,7 @@ drawn from each request's sampling seed (so a resumed run draws the same), each 
 
 import math
 import os
+from contextlib import contextmanager
 import random
 import signal
 import threading
@@ -53,3 +54,17 @@ class FakeEngine(Engine):
 
     def close(self):
         pass
+
+
+def serve(monkeypatch, *engines: Engine) -> None:
+    """Make `vcpo train` (vcpo.trainer.run.start_engine) use these engines, one per start in order and the last one
+    for any start after; none given: a new FakeEngine at each start."""
+    from vcpo.trainer import run as run_module
+
+    starts = iter(range(len(engines)))
+
+    @contextmanager
+    def start_engine(cfg, **kwargs):
+        yield (engines[next(starts, len(engines) - 1)] if engines else FakeEngine()), 0.0
+
+    monkeypatch.setattr(run_module, "start_engine", start_engine)

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from support.fake_engine import FakeEngine
+from support.fake_engine import FakeEngine, serve
 
 from vcpo.trainer.lr_schedule import LR_SCHEDULES, lr_factor
 
@@ -60,18 +60,10 @@ def test_a_run_steps_at_the_scheduled_lr_times_the_ess_scale_across_a_resume(mon
     """12 steps of cosine with 3 of warm-up, stopped by SIGTERM with batch 6 in flight and resumed: every step's
     logged lr is lr x factor x lr_scale, and the AdamW of each checkpoint holds its step's scheduled lr (scale_lr
     restores it after the step). Then extended to 16 steps: the decay's end moves to step 16, as the resume says."""
-    from contextlib import contextmanager
-
     from vcpo.trainer import make_config
     from vcpo.trainer import run as run_module
 
-    engines = iter([FakeEngine(block_from=6), FakeEngine(), FakeEngine()])
-
-    @contextmanager
-    def fake_start_engine(cfg, **kwargs):
-        yield next(engines), 0.0
-
-    monkeypatch.setattr(run_module, "start_engine", fake_start_engine)
+    serve(monkeypatch, FakeEngine(block_from=6), FakeEngine(), FakeEngine())
     folder = str(tmp_path / "run")
     cfg = make_config(output_dir=folder, steps=12, engine="inprocess", prompts_per_step=2, responses_per_prompt=2,
                       max_new_tokens=4, eval_size=0, warm_start_steps=0, checkpoint_every=4, keep_checkpoints=5,

@@ -3,13 +3,12 @@ weights, the checkpoints and AdamW's state in the dtype each precision says, the
 same dtype, and the settings that are refused."""
 
 import json
-from contextlib import contextmanager
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from support.fake_engine import FakeEngine
+from support.fake_engine import serve
 from vcpo.trainer import make_config
 from vcpo.trainer import run as run_module
 
@@ -24,11 +23,7 @@ def _tensor_dtypes(folder):
 
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 def test_a_run_keeps_its_precision_across_a_resume(precision, monkeypatch, tmp_path):
-    @contextmanager
-    def fake_start_engine(cfg, **kwargs):
-        yield FakeEngine(), 0.0
-
-    monkeypatch.setattr(run_module, "start_engine", fake_start_engine)
+    serve(monkeypatch)
     folder = str(tmp_path / "run")
     cfg = make_config(output_dir=folder, steps=2, engine="inprocess", prompts_per_step=2, responses_per_prompt=2,
                       max_new_tokens=4, eval_size=0, warm_start_steps=0, checkpoint_every=2, lr=1e-3,

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from support.fake_engine import FakeEngine
+from support.fake_engine import FakeEngine, serve
 from support.processes import RunProcesses
 
 pytest.importorskip("vllm")
@@ -294,16 +294,10 @@ def test_default_engine_runs_in_its_own_processes_on_its_own_cores(env, tmp_path
 # -- faults with a fake engine (in this process; no vLLM engine is started) -----------------------------------------------
 def train_with(engine, monkeypatch, tmp_path, resume=False, **settings):
     """vcpo.trainer.train in this process with `engine` for the rollouts: the built-in task, no held-out split."""
-    from contextlib import contextmanager
-
     from vcpo.trainer import make_config
     from vcpo.trainer import run as run_module
 
-    @contextmanager
-    def fake_start_engine(cfg, **kwargs):
-        yield engine, 0.0
-
-    monkeypatch.setattr(run_module, "start_engine", fake_start_engine)
+    serve(monkeypatch, engine)
     folder = str(tmp_path / "run")
     cfg = run_module.resume_config(folder, **settings) if resume else make_config(
         output_dir=folder, engine="inprocess", prompts_per_step=2, responses_per_prompt=2, max_new_tokens=4,

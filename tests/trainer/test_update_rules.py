@@ -3,11 +3,9 @@ engine at a lag, each step finite and taken, the trust region's and the rejectio
 
 import json
 import math
-from contextlib import contextmanager
-
 import pytest
 
-from support.fake_engine import FakeEngine
+from support.fake_engine import serve
 from vcpo_kernels.options import CLIPPED_RULES
 from vcpo.trainer import LOSS_PRESETS, make_config
 from vcpo.trainer import run as run_module
@@ -15,11 +13,7 @@ from vcpo.trainer import run as run_module
 
 @pytest.mark.parametrize("loss", list(LOSS_PRESETS))
 def test_every_preset_trains(loss, monkeypatch, tmp_path):
-    @contextmanager
-    def fake_start_engine(cfg, **kwargs):
-        yield FakeEngine(), 0.0
-
-    monkeypatch.setattr(run_module, "start_engine", fake_start_engine)
+    serve(monkeypatch)
     folder = str(tmp_path / "run")
     cfg = make_config(output_dir=folder, steps=3, engine="inprocess", prompts_per_step=2, responses_per_prompt=4,
                       max_new_tokens=6, eval_size=0, warm_start_steps=0, lr=1e-2, loss=loss, max_staleness=2,
