@@ -24,6 +24,9 @@ pytest.importorskip("vllm")
 
 STEPS, K = 24, 2
 PROXY_VARIABLES = ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+# long_answers' responses: nearly all of its 512 positions, so a batch's generation outlasts a step and its
+# checkpoint even on a loaded machine (the SIGTERM must find a batch in flight; at 300 one was once done first)
+ANSWER_TOKENS = 480
 DRIVER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support", "faulty_train.py")
 
 pytestmark = pytest.mark.slow  # vLLM servers started and killed
@@ -153,7 +156,7 @@ def test_sigkill_takes_the_servers_down_and_sigterm_with_a_batch_in_flight_exits
     folder = tmp_path / "run"
     args = ["--engine-servers", "1", "--no-progress", "--steps", "200", "--checkpoint-every", "2"]
     first = subprocess.Popen([sys.executable, "-m", "vcpo.trainer.cli", "train", "--engine", "server", "--model", model,
-                              "--data", data, "--max-new-tokens", "300", "--prompts-per-step", "2",
+                              "--data", data, "--max-new-tokens", str(ANSWER_TOKENS), "--prompts-per-step", "2",
                               "--responses-per-prompt", "2", "--loss", "grpo", "--max-staleness", "2", "--eval-size",
                               "8", "--eval-every", "0", "--output-dir", str(folder), *args], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -206,4 +209,4 @@ def test_sigkill_takes_the_servers_down_and_sigterm_with_a_batch_in_flight_exits
     assert len(uids) == len(set(uids))
     assert set(uids) == {(j, i, r) for j in range(steps) for i in stream.batch(j, 2) for r in range(2)}
     assert [r["step"] for r in read_jsonl(metrics)] == list(range(1, steps + 1))
-    assert all(len(r["response_ids"]) == 300 for r in read_jsonl(folder / "rollouts.jsonl"))
+    assert all(len(r["response_ids"]) == ANSWER_TOKENS for r in read_jsonl(folder / "rollouts.jsonl"))
