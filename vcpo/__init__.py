@@ -13,6 +13,7 @@ from .config import VCPOConfig
 from .grad_norms import PerSequenceGradients
 from .loss import VCPOLoss, policy_loss
 from .lr import ess_lr_scale, scale_lr, smoothed_lr_scale
+from .memory import MicroBatchFit
 from .step import RolloutBatch, step
 
 __version__ = "0.1.0"
@@ -27,4 +28,5 @@ __all__ = [
     "PerSequenceGradients",
     "RolloutBatch",
     "step",
+    "MicroBatchFit",
 ]

@@ -264,6 +264,9 @@ class TrainConfig:
     lr_min_ratio: float = setting(0.1, group=UPDATE, check=number(at_least=0, at_most=1),
         help="the lr at the last step of a decay, as a fraction of lr")
     weight_decay: float = setting(0.0, group=UPDATE, check=number(at_least=0), help="AdamW")
+    memory_budget_gib: Optional[float] = setting(None, group=UPDATE, check=number(above=0),
+        help="the micro-batch size from this budget of each trainer rank's memory (the GPU's allocated memory, or "
+             "the process's resident set on a CPU), fitted on steps 2 and 3 (vcpo.MicroBatchFit; docs/trainer.md)")
     max_skipped_steps: int = setting(10, group=UPDATE, resumable=True, check=integer(1),
         help="steps in a row skipped as non-finite (loss, gradient norm or lr scale) that stop the run, after a "
              "checkpoint")
@@ -381,6 +384,9 @@ class TrainConfig:
         if self.fsdp and options.fused_lm_head:
             raise ValueError("fsdp: fused_lm_head needs the LM head's weight outside its module's forward, where "
                              "FSDP2 has it sharded; use fused_lm_head false")
+        if self.memory_budget_gib is not None and options.micro_batch_size is not None:
+            raise ValueError(f"memory_budget_gib ({self.memory_budget_gib}) chooses the micro-batch size; vcpo sets "
+                             f"micro_batch_size ({options.micro_batch_size}): give one or the other")
         if self.prompts_per_step % self.trainer_ranks:
             raise ValueError(f"prompts_per_step ({self.prompts_per_step}) must be a multiple of trainer_ranks "
                              f"({self.trainer_ranks}): each rank trains on whole prompt groups, as many as the others")

@@ -53,6 +53,7 @@ class Policy:
         self.optimizer = torch.optim.AdamW(trainable, lr=cfg.resolved_lr(), weight_decay=cfg.weight_decay)
         self.placement.use_optimizer(self.optimizer, os.path.join(path, "optimizer.pt") if resume else None)
         self.vcpo_config = cfg.vcpo_config()
+        self.fit = vcpo.MicroBatchFit(cfg.memory_budget_gib) if cfg.memory_budget_gib is not None else None
         self.lr_at = partial(lr_factor, steps=cfg.steps, schedule=cfg.lr_schedule, warmup_steps=cfg.lr_warmup_steps,
                              min_ratio=cfg.lr_min_ratio)
         self.base_lr = cfg.resolved_lr()
@@ -80,7 +81,13 @@ class Policy:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.train()
-        metrics = vcpo.step(self.model, self.optimizer, batch, self.vcpo_config, process_group=self.process_group)
+        if self.fit is not None:
+            metrics = self.fit.step(self.model, self.optimizer, batch, self.vcpo_config, process_group=self.process_group)
+            size = self.fit.size
+        else:
+            metrics = vcpo.step(self.model, self.optimizer, batch, self.vcpo_config, process_group=self.process_group)
+            size = self.vcpo_config.micro_batch_size
+        metrics["micro_batch_size"] = min(size or len(batch.rewards), len(batch.rewards))
         # Every rank checks (the ranks agree: the same weights, or the shards' result reduced) and gathers; then
         # rank 0 raises, and stops the others. Nothing non-finite is published to the engine or saved.
         bad = None if metrics["skipped"] else self._nonfinite(self._trainable)

@@ -186,6 +186,8 @@ class _Loop:
             row = _train_step(self.policy, self.ranks, self.task.pad_id, self.producer, self.engine, batch, state,
                               self.clock, waited, self.interrupt)
             self.run.log_step(row, batch.rollouts)
+            if self.policy.fit is not None and self.policy.fit.steps == 4:  # its first step at the fitted size
+                self.say(f"memory_budget_gib: {self.policy.fit.describe()}")
             skipped = skipped + [row] if row["skipped"] else []
             if skipped:
                 _skipped_step(skipped, cfg.max_skipped_steps, self.checkpoint, self.run.path, self.say)
@@ -287,7 +289,7 @@ def _train_step(policy: Policy, ranks: TrainerRanks, pad_id: int, producer: Roll
         "accuracy": sum(r.correct for r in batch.rollouts) / len(batch.rollouts),
         "response_length": float(rb.loss_mask.sum(1).float().mean()),
         **{k: m[k] for k in STEP_METRICS}, **reward_metrics(batch.rollouts),
-        "lr": m["lr"],
+        "lr": m["lr"], "micro_batch_size": m["micro_batch_size"],
         "wait_seconds": waited + paced, "train_seconds": now - t_train,
         "generate_seconds_total": generate_seconds, "sync_seconds_total": stats.sync_seconds,
         "syncs": stats.syncs, **engine.metrics(batch.rollouts),
