@@ -44,8 +44,8 @@ def test_measures_fits_and_picks_the_largest_whole_groups_the_budget_holds():
         fit.step(net, opt, batch(s), config)
         sizes.append(fit.size)
     assert sizes == [GROUP, GROUP, 2 * GROUP]
-    (t1, p1), (t2, p2) = fit.points
-    assert (t1, t2) == (GROUP * T, 2 * GROUP * T)
+    (n1, t1, s1, p1), (n2, t2, s2, p2) = fit.points
+    assert (n1, t1, n2, t2) == (GROUP, GROUP * T, 2 * GROUP, 2 * GROUP * T) and 0 < s1 < p1 and 0 < s2 < p2
     # the peaks are the resident set's: the larger micro-batch's activations and logits (float64) show
     assert p2 > p1 > 0 and fit.per_token == (p2 - p1) / (t2 - t1) > 8 * VOCAB / 2
     assert math.isclose(fit.fixed + fit.per_token * t1, p1)
@@ -71,6 +71,25 @@ def test_measures_fits_and_picks_the_largest_whole_groups_the_budget_holds():
     with pytest.warns(UserWarning, match="one prompt group .4 sequences x 64 columns. needs about"):
         fit.step(net, opt, batch(6), config)
     assert fit.size == GROUP
+    fit.per_token, fit.budget = None, p2 / (1 - fit.margin)  # no cost measured: the larger measured size within
+    fit.step(net, opt, batch(7), config)
+    assert fit.size == 2 * GROUP
+
+
+@pytest.mark.slow  # about 6 s, as above
+def test_two_groups_are_not_measured_where_step_2_says_they_would_not_fit():
+    net = model()
+    fit, opt = vcpo.MicroBatchFit(budget_gib=1000), sgd(net)
+    for s in range(2):
+        fit.step(net, opt, batch(s))
+    _, t1, s1, p1 = fit.points[0]
+    two_groups = p1 + (p1 - s1) / t1 * (2 * GROUP * T - t1)  # what step 2 added, twice, over its start
+    fit.budget = two_groups / (1 - fit.margin) * 0.999
+    fit.step(net, opt, batch(2))
+    assert fit.size == GROUP and fit.points[1][:2] == (GROUP, GROUP * T)
+    assert fit.per_token == (p1 - s1) / t1 and fit.fixed == s1  # the fit from step 2 alone
+    fit.step(net, opt, batch(3))
+    assert fit.size == GROUP
 
 
 def test_a_batch_of_one_group_is_always_whole():
@@ -79,7 +98,7 @@ def test_a_batch_of_one_group_is_always_whole():
     for s in range(4):
         fit.step(net, opt, batch(s, grouped=False), vcpo.VCPOConfig(advantage="grpo", grad_norms="uniform"))
         assert fit.size is None
-    assert fit.per_token is None and "the whole batch" in fit.describe()
+    assert "micro_batch_size the whole batch" in fit.describe()
 
 
 @pytest.mark.parametrize("kwargs, message", [
