@@ -8,7 +8,7 @@ of 4. Each round of each case runs in its own process (a warm-up step, then one 
 its peak resident memory above what the process held before the first step is the step's.
 
     python bench/bench_real_model.py                 # every case, 3 rounds, one table
-    python bench/bench_real_model.py --rounds 5 --cases grpo,vcpo,grpo\ m=4,vcpo\ m=4   # paired ratios
+    python bench/bench_real_model.py --rounds 5 --cases "grpo,vcpo,grpo m=4,vcpo m=4"   # paired ratios
 
 Cases run interleaved, one round of every case after another, so a slow spell of a shared machine hits all of them;
 each VCPO case's ratio to its GRPO twin is taken within each round and reported as the median over rounds with its

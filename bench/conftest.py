@@ -18,6 +18,7 @@ RATIOS = [
     ("fused / copy floor", "fused", "copy floor", "<= 3x", lambda r: r <= 3),
     ("verl / fused", "verl", "fused", "-", None),  # peers: no target, the speed-up users would see
     ("verl loss / fused", "verl loss", "fused", "-", None),
+    ("vcpo / grpo", "vcpo", "grpo", "<= 1.05x", lambda r: r <= 1.05),  # bench_real_model_step.py
 ]
 
 _START = cpu_seconds()
@@ -36,11 +37,11 @@ def pytest_terminal_summary(terminalreporter, config):
     write = terminalreporter.write_line
     foreign = other_cpu_seconds(_START, cpu_seconds())  # CPU time of other processes during the run
     if not math.isnan(foreign):  # /proc/stat was there to read (Linux)
-        terminalreporter.section("VCPO policy_loss benchmark: ratio tables", sep="=")
+        terminalreporter.section("VCPO benchmarks: ratio tables", sep="=")
         write(f"torch threads {torch.get_num_threads()}; other processes used {foreign:.1f} CPU-s during the run"
               + ("  ** CONTENDED: numbers unreliable, rerun on an idle machine **" if foreign > 2 else ""))
     for layout, cases in medians.items():
-        terminalreporter.section(f"{layout} layout, fwd+bwd", sep="-")
+        terminalreporter.section(f"{layout}", sep="-")
         write(f"  {'case':<12} {'median ms':>10} {'min ms':>8}")
         for case, t in cases.items():
             write(f"  {case:<12} {t * 1e3:10.2f} {mins[layout][case] * 1e3:8.2f}")
