@@ -266,7 +266,8 @@ class TrainConfig:
     weight_decay: float = setting(0.0, group=UPDATE, check=number(at_least=0), help="AdamW")
     memory_budget_gib: Optional[float] = setting(None, group=UPDATE, check=number(above=0),
         help="the micro-batch size from this budget of each trainer rank's memory (the GPU's allocated memory, or "
-             "the process's resident set on a CPU), fitted on steps 2 and 3 (vcpo.MicroBatchFit; docs/trainer.md)")
+             "the process's resident set on a CPU), fitted on steps 2 and 3 (vcpo.MicroBatchFit; docs/grad_norms.md, "
+             "Choosing m for a memory budget)")
     max_skipped_steps: int = setting(10, group=UPDATE, resumable=True, check=integer(1),
         help="steps in a row skipped as non-finite (loss, gradient norm or lr scale) that stop the run, after a "
              "checkpoint")
