@@ -12,12 +12,17 @@ from torch.utils.flop_counter import FlopCounterMode
 import vcpo
 from support.tiny_models import tiny_llama
 
-_path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "norm_flops.py")
-_spec = importlib.util.spec_from_file_location("norm_flops", _path)
-norm_flops = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(norm_flops)
 
-GRPO = dict(advantage="grpo", grad_norms="uniform", lr_rule=None, is_correction="none")
+def _bench_module(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(__file__), "..", "..", "bench",
+                                                                     f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+norm_flops = _bench_module("norm_flops")
+GRPO = _bench_module("common").GRPO  # the plain step's options, as the benches run it
 
 
 def step_flops(model, batch, options) -> int:
