@@ -141,8 +141,11 @@ def test_fsdp2_bf16_mixed_run_from_the_gguf_file(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     rows = [json.loads(line) for line in open(folder / "metrics.jsonl") if line.strip()]
     assert [r["step"] for r in rows] == [1, 2]
-    for r in rows:  # FSDP2's bf16 units round every weight, norms and embeddings too: measured 1e-3 and 1.4e-2
-        assert not r["skipped"] and r["grad_norm"] > 0 and 0 < r["kl_k3"] < 5e-2 and r["ess_ratio"] > 0.8, r
+    # FSDP2's bf16 units round every weight, norms and embeddings too: K3 measured 1e-3 to 1.6e-2 a token. A
+    # sequence's log-weight variance is about 2 x K3 x its length (16 tokens), so the ESS ratio of 8 sequences is
+    # about exp(-0.5) at the top of that range: measured 0.76 on one CPU, above 0.8 on another.
+    for r in rows:
+        assert not r["skipped"] and r["grad_norm"] > 0 and 0 < r["kl_k3"] < 5e-2 and r["ess_ratio"] > 0.5, r
     checkpoint = folder / "checkpoints" / "step-000002"
     with safe_open(str(checkpoint / "model.safetensors"), "pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
