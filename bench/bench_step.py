@@ -157,10 +157,9 @@ def sweep(rounds: int) -> None:
               f"{max(x['peak_rss_mib'] for x in v):8.0f}  {form_counts(v[0]['forms'])}", flush=True)
 
 
-PHASES = ("forward", "PerSequenceGradients.backward", "PerSequenceGradients.sq_norms",
-          "PerSequenceGradients._experts_sq_norms", "PerSequenceGradients._expert_terms",
-          "PerSequenceGradients._generic_per_seq", "PerSequenceGradients.assemble",
-          "PerSequenceGradients._experts_assemble", "PerSequenceGradients._generic_weighted", "optimizer.step")
+PHASES = ("forward", "PerSequenceGradients.backward", "PerSequenceGradients.sq_norms", "experts.sq_norms",
+          "experts._terms", "replay.per_seq", "PerSequenceGradients.assemble", "experts.assemble", "replay.weighted",
+          "optimizer.step")  # owner.attribute: a method of PerSequenceGradients or a function of vcpo.grad_norms
 
 TOP_PHASES = ("forward", "PerSequenceGradients.backward", "PerSequenceGradients.sq_norms",
               "PerSequenceGradients.assemble", "optimizer.step")  # not nested in one another
@@ -172,6 +171,7 @@ def profile(name: str) -> None:
     import torch
 
     import vcpo
+    from vcpo.grad_norms import experts, replay
 
     model, batch = build(name)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.1)
@@ -188,8 +188,9 @@ def profile(name: str) -> None:
 
     for phase in PHASES:
         owner, _, attr = phase.partition(".")
-        if owner == "PerSequenceGradients":
-            setattr(vcpo.PerSequenceGradients, attr, timed(phase, getattr(vcpo.PerSequenceGradients, attr)))
+        target = {"PerSequenceGradients": vcpo.PerSequenceGradients, "experts": experts, "replay": replay}.get(owner)
+        if target is not None:
+            setattr(target, attr, timed(phase, getattr(target, attr)))
     model.forward = timed("forward", model.forward)
     optimizer.step = timed("optimizer.step", optimizer.step)
     configs = {"vcpo": vcpo.VCPOConfig(),

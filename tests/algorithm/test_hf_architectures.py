@@ -86,6 +86,35 @@ def test_moe_padded_both_forms(ghost):
     torch.testing.assert_close(psg.sq_norms(), want, rtol=1e-10, atol=0)
 
 
+@pytest.mark.parametrize("ghost", [True, False, None])
+def test_moe_sequences_of_unequal_shares_in_blocks(ghost, monkeypatch):
+    """Eight sequences of different lengths (right padding, whose tokens receive no gradient and are left out)
+    send different numbers of pairs to each expert: the experts rule pads them in several blocks of similar
+    length, and every block's norms are exact."""
+    from vcpo.grad_norms import experts
+
+    blocks = []
+    inner = experts._buckets
+    monkeypatch.setattr(experts, "_buckets", lambda *a: blocks.append(inner(*a)[2]) or inner(*a))
+    model = _moe()
+    b, t = 8, 9
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, architectures.VOCAB, (b, t), generator=g)
+    attention = (torch.arange(t) < torch.tensor([9, 2, 7, 5, 9, 3, 8, 4])[:, None]).long()
+    keep = attention[:, 1:].double()
+
+    def per_token():
+        logits = model(input_ids=ids, attention_mask=attention, use_cache=False).logits
+        return _token_logp(logits[:, :-1], ids[:, 1:]) * keep
+
+    lp = per_token()
+    want = _brute([lp[i].sum() for i in range(b)], list(model.parameters()))
+    with PerSequenceGradients(model, num_seqs=b, seq_len=t, ghost=ghost) as psg:
+        psg.backward(per_token().sum())
+    torch.testing.assert_close(psg.sq_norms(), want, rtol=1e-10, atol=0)
+    assert max(len(bl) for bl in blocks) >= 2
+
+
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_moe_packed(model_type):
     """Sequences packed into one row (block-diagonal causal mask, positions restarting per sequence); gpt-oss

@@ -222,3 +222,75 @@ def test_the_cache_does_not_keep_a_module_alive():
     del model
     gc.collect()
     assert ref() is None and len(records._PASSED) == 0
+
+
+def _tiny_moe(experts_class=None):
+    transformers = pytest.importorskip("transformers")
+    from support import architectures
+    torch.manual_seed(0)
+    config = architectures.tiny_config("qwen3_moe")
+    model = transformers.AutoModelForCausalLM.from_config(config).eval().double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    if experts_class is not None:
+        for layer in model.model.layers:
+            layer.mlp.experts.__class__ = experts_class
+    return model
+
+
+def _moe_pass(model, seed):
+    """A norm pass of the tiny MoE on 3 sequences: (norms, the assembled gradient of every parameter)."""
+    from support import architectures
+    ids = torch.randint(1, architectures.VOCAB, (3, 7), generator=torch.Generator().manual_seed(seed))
+    with PerSequenceGradients(model, num_seqs=3, seq_len=7) as psg:
+        lp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[:, :-1], -1)
+        psg.backward(lp.gather(-1, ids[:, 1:, None]).sum())
+    norms = psg.sq_norms()
+    for p in model.parameters():
+        p.grad = None
+    psg.assemble(torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64))
+    return norms, [p.grad.clone() for p in model.parameters()]
+
+
+def test_experts_checked_once_per_implementation_with_the_same_numbers(monkeypatch):
+    """The experts rule's recomputed output is checked on the first pass of each experts layer (2 layers) and again
+    when the experts implementation changes; the numbers equal, bit for bit, those of a twin checked every pass."""
+    from vcpo.grad_norms import experts
+    count = [0]
+    inner = experts.replay_matches
+    monkeypatch.setattr(experts, "replay_matches", lambda *a: count.__setitem__(0, count[0] + 1) or inner(*a))
+    model = _tiny_moe()
+    twin = copy.deepcopy(model)
+    counts, got = [], []
+    for seed in range(3):
+        before = count[0]
+        got.append(_moe_pass(model, seed))
+        counts.append(count[0] - before)
+    assert counts == [2, 0, 0]
+    for seed in range(3):
+        records.forget_replay_checks()
+        want = _moe_pass(twin, seed)
+        assert torch.equal(want[0], got[seed][0]) and all(torch.equal(a, b) for a, b in zip(want[1], got[seed][1]))
+    model.config._experts_implementation = "batched_mm"
+    before = count[0]
+    _moe_pass(model, 0)
+    assert count[0] - before == 2
+
+
+def test_experts_that_compute_something_else_are_refused_on_every_pass():
+    """An experts class on transformers' dispatcher whose own forward scales the standard output: the recomputed
+    output differs, so the rule refuses it, and a refusal is never remembered as a pass."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.integrations.moe import use_experts_implementation
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    class ScaledExperts(Qwen3MoeExperts):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return 1.5 * Qwen3MoeExperts.forward.__wrapped__(self, hidden_states, top_k_index, top_k_weights)
+
+    ScaledExperts.__module__ = "transformers.models.scaled"  # the rule is for transformers' experts classes only
+    model = _tiny_moe(use_experts_implementation(ScaledExperts))
+    for seed in range(2):
+        with pytest.raises(UnsupportedModuleError, match="'model.layers.0.mlp.experts'.*standard routed experts"):
+            _moe_pass(model, seed)

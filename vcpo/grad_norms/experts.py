@@ -10,10 +10,12 @@ from typing import Optional
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
 
 from .layout import SequenceLayout
 from .linear import linear_sq_norms
-from .records import Call, Record, UnsupportedModuleError, acc, output_grad, replay_matches
+from .records import (Call, Record, UnsupportedModuleError, acc, output_grad, replay_checked, replay_key,
+                      replay_matches, replay_passed)
 
 
 @functools.cache
@@ -43,13 +45,13 @@ def is_experts(module: nn.Module) -> bool:
 
 def _terms(layout: SequenceLayout, rec: Record, call: Call) -> list:
     """A transformers experts module's per-expert terms, formed once per call: [(e, seq, parts)] with parts
-    [(weight, dz, input rows, bias)] for its two projections over the (token, expert) pairs routed to e, and
-    seq the sequence of each pair.
+    [(weight, dz, input rows, bias)] for its two projections over the (token, expert) pairs routed to e whose
+    token received a gradient (the others add nothing to any gradient), and seq the sequence of each pair.
 
     Token t routed to expert e with weight r: z1 = W1[e] x + b1[e], a = gate(z1), z2 = W2[e] a + b2[e],
     out_t += r z2. So dW2[e] = sum dz2 a^T with dz2 = r dout_t, and dW1[e] = sum dz1 x^T with dz1 the
     gate's vjp of da = W2[e]^T dz2: each expert is two linear layers over its pairs. The output recomputed
-    from these terms must match the module's."""
+    from these terms must match the module's on those tokens: checked once per module and key (replay_key)."""
     if call.terms is not None:
         return call.terms
     m = rec.module
@@ -67,15 +69,20 @@ def _terms(layout: SequenceLayout, rec: Record, call: Call) -> list:
     b1 = (m.gate_up_proj_bias if gated else m.up_proj_bias) if m.has_bias else None
     w2, b2 = m.down_proj, (m.down_proj_bias if m.has_bias else None)
     transposed = m.is_transposed  # weights [E, in, out] rather than [E, out, in]
+    leaves = tree_flatten((call.args, call.kwargs))[0]
+    key = replay_key(rec, call, f"experts, {getattr(m.config, '_experts_implementation', None)}",
+                     [j for j, t in enumerate(leaves) if isinstance(t, Tensor)])
+    check = not replay_checked(m, key)
     x, dout = acc(x), acc(output_grad(call))
     seq_of_token = layout.row_seq(x, rec.name)
     n, k = index.shape
-    flat_e = index.reshape(-1)
+    token = torch.arange(n, device=x.device).repeat_interleave(k)
+    # right padding and masked tokens: zero output gradients, so no pair of theirs contributes (one host read)
+    live = dout.ne(0).any(1)[token].nonzero().squeeze(1)
+    token, flat_e, route = token[live], index.reshape(-1)[live], acc(weight).reshape(-1)[live]
     order = torch.argsort(flat_e, stable=True)
     counts = torch.bincount(flat_e, minlength=w1.shape[0]).tolist()  # one host read
-    token = torch.arange(n, device=x.device).repeat_interleave(k)
-    route = acc(weight).reshape(-1)
-    replay = torch.zeros_like(x)
+    replay = torch.zeros_like(x) if check else None
     terms, start = [], 0
     for e, count in enumerate(counts):
         if count == 0:
@@ -91,31 +98,59 @@ def _terms(layout: SequenceLayout, rec: Record, call: Call) -> list:
             z1 = z1.detach().requires_grad_()
             a_graph = m._apply_gate(z1) if gated else m.act_fn(z1)
         a = a_graph.detach()
-        z2 = a @ W2.T + (acc(b2[e].detach()) if b2 is not None else 0)
-        replay.index_add_(0, tok, z2 * r)
+        if check:
+            replay.index_add_(0, tok, (a @ W2.T + (acc(b2[e].detach()) if b2 is not None else 0)) * r)
         dz2 = dout[tok] * r
         (dz1,) = torch.autograd.grad(a_graph, z1, dz2 @ W2)
         terms.append((e, seq_of_token[tok], [(w1, dz1, xe, b1), (w2, dz2, a, b2)]))
-    if not replay_matches(replay, call.values[0], call):
-        raise UnsupportedModuleError(rec.name, f"{type(m).__name__} computes something other than the standard "
-                                               "routed experts (gate/up, activation, down, routing weight)")
+    if check:
+        rows = token.unique()
+        if not replay_matches(replay[rows], call.values[0][rows], call):
+            raise UnsupportedModuleError(rec.name, f"{type(m).__name__} computes something other than the standard "
+                                                   "routed experts (gate/up, activation, down, routing weight)")
+        if rows.numel():
+            replay_passed(m, key)
     call.terms = terms
     return terms
+
+
+def _buckets(seq: Tensor, num_seqs: int) -> tuple:
+    """Where each pair's row goes in zero-padded per-sequence blocks of similar length: (row of each pair in a flat
+    [rows, d] buffer, rows, [(first row, sequences, length)] per block). A sequence's pairs fill its slot of a block
+    in order; sequences are sorted by their pair count and a block holds those within 2x of its longest, so padding
+    at most doubles a block (one block padded to the longest sequence costs up to 10x on a MoE's skewed routing).
+    `seq` must be non-decreasing (the pairs of an expert are in token order)."""
+    per = torch.bincount(seq, minlength=num_seqs)
+    counts = per.tolist()  # one host read
+    blocks, base = [], [0] * num_seqs
+
+    def end(block):  # the row after a block
+        return block[0] + len(block[1]) * block[2]
+
+    for s in sorted((s for s in range(num_seqs) if counts[s]), key=lambda s: -counts[s]):
+        if not blocks or 2 * counts[s] < blocks[-1][2]:
+            blocks.append((end(blocks[-1]) if blocks else 0, [], counts[s]))
+        first, seqs, length = blocks[-1]
+        base[s] = first + len(seqs) * length
+        seqs.append(s)
+    rows = end(blocks[-1]) if blocks else 0
+    pos = torch.arange(seq.numel(), device=seq.device) - (torch.cumsum(per, 0) - per)[seq]
+    return torch.tensor(base, device=seq.device)[seq] + pos, rows, blocks
 
 
 def sq_norms(layout: SequenceLayout, rec: Record, call: Call, ghost: Optional[bool]) -> Tensor:
     """[B]: per-sequence squared norms of an experts module's weights, per expert ghost or materialised."""
     total = torch.zeros(layout.num_seqs, dtype=torch.float64, device=call.values[0].device)
     for _, seq, parts in _terms(layout, rec, call):
-        # rows of each sequence's pairs, zero-padded: [B, L, d] with L the most pairs a sequence sent here
-        per = torch.bincount(seq, minlength=layout.num_seqs)
-        pos = torch.arange(seq.numel(), device=seq.device) - (torch.cumsum(per, 0) - per)[seq]
-        length = int(per.max())
+        row, rows, blocks = _buckets(seq, layout.num_seqs)
         for w, dz, inp, bias in parts:
             if w.requires_grad:
-                rows_a = inp.new_zeros(layout.num_seqs, length, inp.shape[1]).index_put_((seq, pos), inp)
-                rows_b = dz.new_zeros(layout.num_seqs, length, dz.shape[1]).index_put_((seq, pos), dz)
-                total += linear_sq_norms(rows_a, rows_b, ghost).double()
+                flat_a = inp.new_zeros(rows, inp.shape[1]).index_copy_(0, row, inp)
+                flat_b = dz.new_zeros(rows, dz.shape[1]).index_copy_(0, row, dz)
+                for first, seqs, length in blocks:
+                    end = first + len(seqs) * length
+                    total[seqs] += linear_sq_norms(flat_a[first:end].view(len(seqs), length, -1),
+                                                   flat_b[first:end].view(len(seqs), length, -1), ghost).double()
             if bias is not None and bias.requires_grad:
                 total += dz.new_zeros(layout.num_seqs, dz.shape[1]).index_add_(0, seq, dz).pow(2).sum(1).double()
     return total
