@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 from typing import Optional
 
 import torch
@@ -114,45 +115,60 @@ def _terms(layout: SequenceLayout, rec: Record, call: Call) -> list:
     return terms
 
 
-def _buckets(seq: Tensor, num_seqs: int) -> tuple:
-    """Where each pair's row goes in zero-padded per-sequence blocks of similar length: (row of each pair in a flat
-    [rows, d] buffer, rows, [(first row, sequences, length)] per block). A sequence's pairs fill its slot of a block
-    in order; sequences are sorted by their pair count and a block holds those within 2x of its longest, so padding
-    at most doubles a block (one block padded to the longest sequence costs up to 10x on a MoE's skewed routing).
-    `seq` must be non-decreasing (the pairs of an expert are in token order)."""
-    per = torch.bincount(seq, minlength=num_seqs)
+def _buckets(segment: Tensor, num_segments: int) -> tuple:
+    """Where each pair's row goes in zero-padded blocks of segments of similar length, a segment being one
+    sequence's pairs routed to one expert: (row of each pair in a flat [rows, d] buffer, rows, [(first row,
+    segments, length)] per block). A segment's pairs fill its slot of a block in order; segments are sorted by their
+    pair count and a block holds those within 2x of its longest, so padding at most doubles a block (padding every
+    sequence to the longest one cost up to 10x on a MoE's skewed routing), and one batched product per block serves
+    every expert (their shapes are equal). `segment` must be non-decreasing."""
+    per = torch.bincount(segment, minlength=num_segments)
     counts = per.tolist()  # one host read
-    blocks, base = [], [0] * num_seqs
+    blocks, base = [], [0] * num_segments
 
     def end(block):  # the row after a block
         return block[0] + len(block[1]) * block[2]
 
-    for s in sorted((s for s in range(num_seqs) if counts[s]), key=lambda s: -counts[s]):
+    for s in sorted((s for s in range(num_segments) if counts[s]), key=lambda s: -counts[s]):
         if not blocks or 2 * counts[s] < blocks[-1][2]:
             blocks.append((end(blocks[-1]) if blocks else 0, [], counts[s]))
-        first, seqs, length = blocks[-1]
-        base[s] = first + len(seqs) * length
-        seqs.append(s)
+        first, members, length = blocks[-1]
+        base[s] = first + len(members) * length
+        members.append(s)
     rows = end(blocks[-1]) if blocks else 0
-    pos = torch.arange(seq.numel(), device=seq.device) - (torch.cumsum(per, 0) - per)[seq]
-    return torch.tensor(base, device=seq.device)[seq] + pos, rows, blocks
+    pos = torch.arange(segment.numel(), device=segment.device) - (torch.cumsum(per, 0) - per)[segment]
+    return torch.tensor(base, device=segment.device)[segment] + pos, rows, blocks
 
 
 def sq_norms(layout: SequenceLayout, rec: Record, call: Call, ghost: Optional[bool]) -> Tensor:
-    """[B]: per-sequence squared norms of an experts module's weights, per expert ghost or materialised."""
-    total = torch.zeros(layout.num_seqs, dtype=torch.float64, device=call.values[0].device)
-    for _, seq, parts in _terms(layout, rec, call):
-        row, rows, blocks = _buckets(seq, layout.num_seqs)
-        for w, dz, inp, bias in parts:
-            if w.requires_grad:
-                flat_a = inp.new_zeros(rows, inp.shape[1]).index_copy_(0, row, inp)
-                flat_b = dz.new_zeros(rows, dz.shape[1]).index_copy_(0, row, dz)
-                for first, seqs, length in blocks:
-                    end = first + len(seqs) * length
-                    total[seqs] += linear_sq_norms(flat_a[first:end].view(len(seqs), length, -1),
-                                                   flat_b[first:end].view(len(seqs), length, -1), ghost).double()
-            if bias is not None and bias.requires_grad:
-                total += dz.new_zeros(layout.num_seqs, dz.shape[1]).index_add_(0, seq, dz).pow(2).sum(1).double()
+    """[B]: per-sequence squared norms of an experts module's weights: the sum over experts of each expert's
+    per-sequence norm, ghost or materialised per block of segments."""
+    b = layout.num_seqs
+    total = torch.zeros(b, dtype=torch.float64, device=call.values[0].device)
+    terms = _terms(layout, rec, call)
+    if not terms:
+        return total
+    num_segments = rec.module.down_proj.shape[0] * b
+    # experts in increasing order, each one's pairs in token order: the segment ids never decrease
+    segment = torch.cat([e * b + seq for e, seq, _ in terms])
+    row, rows, blocks = _buckets(segment, num_segments)
+    pairs = list(itertools.accumulate((seq.numel() for _, seq, _ in terms), initial=0))  # each expert's rows
+    for j, (w, dz, inp, bias) in enumerate(terms[0][2]):  # the two projections (shapes as the first expert's)
+        if w.requires_grad:
+            width_a, width_b = inp.shape[1], dz.shape[1]
+            flat_a, flat_b = inp.new_zeros(rows, width_a), dz.new_zeros(rows, width_b)
+            for k, (_, _, parts) in enumerate(terms):
+                flat_a.index_copy_(0, row[pairs[k]:pairs[k + 1]], parts[j][2])
+                flat_b.index_copy_(0, row[pairs[k]:pairs[k + 1]], parts[j][1])
+            for first, members, length in blocks:
+                end = first + len(members) * length
+                norms = linear_sq_norms(flat_a[first:end].view(-1, length, width_a),
+                                        flat_b[first:end].view(-1, length, width_b), ghost)
+                total.index_add_(0, torch.tensor(members, device=total.device) % b, norms.double())
+        if bias is not None and bias.requires_grad:
+            sums = dz.new_zeros(num_segments, dz.shape[1]).index_add_(0, segment,
+                                                                   torch.cat([parts[j][1] for _, _, parts in terms]))
+            total.index_add_(0, torch.arange(num_segments, device=total.device) % b, sums.pow(2).sum(1).double())
     return total
 
 
