@@ -35,6 +35,7 @@ struct LossOptions {
   std::optional<double> clip_low, clip_high, clip_c;  // PPO clipping and its dual clip, when on
   double norm_length;
   double winsorize_low, winsorize_high;  // the quantiles of opob_aggregation = winsorized_mean
+  std::optional<double> m2_threshold;     // batch_m2's threshold given by the caller (a DP group's), else none
   // The rejection criteria (bit j: criterion j of Rejection) and their bounds.
   int64_t rejection;
   double reject_low[kNumRejection], reject_high[kNumRejection];
@@ -77,6 +78,7 @@ inline LossOptions unpack_loss_options(c10::ArrayRef<int64_t> codes, c10::ArrayR
   o.norm_length = values[kNormLength];
   o.winsorize_low = values[kWinsorizeLow];
   o.winsorize_high = values[kWinsorizeHigh];
+  o.m2_threshold = given(values[kM2Threshold]);
   o.rejection = codes[kRejection];
   for (int64_t j = 0; j < kNumRejection; ++j) {
     o.reject_low[j] = values[kRejectionLow[j]];
@@ -101,7 +103,7 @@ struct LossParams {
   bool reject_k1, reject_k2, reject_k3;  // token_k1/k2/k3 criteria: log r in [k1_lo, k1_hi], k2 <= k2_hi, ...
   real_t k1_lo, k1_hi, k2_hi, k3_hi;
   // batch_m2 (M2PO): Delta^2 < m2_threshold, the batch's threshold for the mean bound m2_bound (second_moment.h)
-  bool reject_m2;
+  bool reject_m2, m2_given;
   double m2_bound, m2_threshold;
   bool token_reject() const { return reject_k1 || reject_k2 || reject_k3 || reject_m2; }
 };
@@ -133,7 +135,9 @@ LossParams<real_t> loss_params(const LossOptions& o) {
   p.k3_hi = static_cast<real_t>(o.high(Rejection::TokenK3));
   p.reject_m2 = o.rejects(Rejection::BatchM2);
   p.m2_bound = o.high(Rejection::BatchM2);
-  p.m2_threshold = std::numeric_limits<double>::infinity();  // set from the tokens before a pass that reads it
+  // the caller's, or set from the tokens before a pass that reads it (second_moment.h)
+  p.m2_given = o.m2_threshold.has_value();
+  p.m2_threshold = o.m2_threshold.value_or(std::numeric_limits<double>::infinity());
   return p;
 }
 

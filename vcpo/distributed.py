@@ -28,8 +28,10 @@ from torch import Tensor
 import vcpo_kernels
 from vcpo_kernels.inputs import sequence_batch, token_batch
 from vcpo_kernels.ops import batch_normalizer
+from vcpo_kernels.reference.policy_loss import second_moment_threshold as reference_threshold
+from vcpo_kernels.reference.sequence_stats import token_deltas
 
-__all__ = ["policy_loss", "agg_count", "global_share"]
+__all__ = ["policy_loss", "agg_count", "global_share", "second_moment_threshold"]
 
 
 def largest_abs(tensors: list) -> Tensor:
@@ -55,19 +57,36 @@ def global_share(part_length: Tensor, whole_count, loss_agg_mode: str) -> Tensor
     return part / torch.as_tensor(whole_count, dtype=part.dtype, device=part.device).clamp(min=1)
 
 
+def second_moment_threshold(tokens, options, process_group) -> float:
+    """M2PO's threshold (rejection batch_m2) over the counted tokens of every rank, as one process holding them all
+    would form it (docs/contract.md, "Rejection"): each rank's Delta^2 (float64; NaN left out) in one all_gather,
+    padded with NaN to the largest rank's count. Two host reads: the counts, and the threshold."""
+    counted, _, delta = token_deltas(tokens)
+    square = delta.double() * delta.double()
+    local = square[counted & ~torch.isnan(square)]
+    world = dist.get_world_size(process_group)
+    counts = [torch.zeros(1, dtype=torch.int64, device=local.device) for _ in range(world)]
+    dist.all_gather(counts, torch.tensor([local.numel()], device=local.device), group=process_group)
+    most = max(int(c) for c in counts)
+    padded = torch.cat([local, local.new_full((most - local.numel(),), math.nan)])
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=process_group)
+    every = torch.cat(parts)
+    return float(reference_threshold(every, torch.ones_like(every, dtype=torch.bool), options.second_moment_bound))
+
+
 def policy_loss(logp: Tensor, behavior_logp: Tensor, *, process_group, options, validate: bool = True,
                 backend: str = "auto", mask=None, cu_seqlens=None, old_logp=None, rewards=None, advantages=None,
                 group_index=None, num_groups=None, grad_sq_norm=None) -> vcpo_kernels.PolicyLossResult:
     """vcpo_kernels.policy_loss with ESS, lr scale and baselines over all ranks of `process_group`."""
-    if options.second_moment_bound is not None:
-        raise ValueError("rejection 'batch_m2' (M2PO) masks by an order statistic of the whole batch's tokens, which "
-                         "is not formed over the ranks of a process_group yet: run it in one process")
     if not dist.is_initialized():
         raise ValueError("process_group was given but torch.distributed is not initialised")
     if group_index is not None and num_groups is None:
         raise ValueError("num_groups is required with a process_group: group indices are global, and a rank "
                          "cannot infer the count from its own sequences")
     tokens = token_batch(logp, behavior_logp, old_logp, mask, cu_seqlens, validate)
+    if options.second_moment_bound is not None and options.second_moment_threshold is None:
+        options = options.replace(second_moment_threshold=second_moment_threshold(tokens, options, process_group))
     seq = sequence_batch(tokens, rewards, advantages, group_index, num_groups, grad_sq_norm, options.batch_baseline,
                          validate)
     stats = vcpo_kernels.sequence_stats(logp.detach(), behavior_logp, mask=mask, cu_seqlens=cu_seqlens,

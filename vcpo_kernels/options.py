@@ -59,7 +59,7 @@ LOSS_CODES = ("is_level", "is_correction", "ess_on_corrected", "lr_rule", "advan
 # a high bound value, in that order and criterion order: log r bounds for k1 (the entries' intersection), the
 # least upper bound for k2 and k3 (low unused).
 LOSS_VALUES = ("log_threshold", "log_threshold_low", "ess_base_ratio", "clip_low", "clip_high", "clip_c",
-               "norm_length", "winsorize_low", "winsorize_high", "sapo_tau_pos", "sapo_tau_neg") + tuple(
+               "norm_length", "winsorize_low", "winsorize_high", "sapo_tau_pos", "sapo_tau_neg", "m2_threshold") + tuple(
                    f"{name}_{side}" for name in REJECTION_CRITERIA for side in ("low", "high"))
 # C++ enum -> codes, for csrc/options.h.
 _ENUMS = {
@@ -119,6 +119,9 @@ class PolicyLossOptions:
     trust_region: Optional[str] = None
     # SAPO's gate temperatures (tau_pos, tau_neg): for tokens with A > 0, and the others.
     sapo_tau: Tuple[float, float] = (1.0, 1.05)
+    # batch_m2: the threshold of Delta^2 formed over a larger batch than the call's (the ranks of a data-parallel
+    # group: vcpo.distributed), used as it is; None: from the call's own tokens.
+    second_moment_threshold: Optional[float] = None
 
     def __post_init__(self) -> None:
         _choice("is_level", self.is_level, IS_LEVELS)
@@ -156,6 +159,14 @@ class PolicyLossOptions:
                              f"{self.opob_aggregation!r}: the leave-one-out baseline is the weighted mean only "
                              f"(opob_aggregation='mean')")
         object.__setattr__(self, "rejection", _rejection(self.rejection))
+        if self.second_moment_threshold is not None:
+            x = self.second_moment_threshold
+            if self.second_moment_bound is None:
+                raise ValueError("second_moment_threshold is the threshold of rejection 'batch_m2', which is not in "
+                                 "rejection")
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not x >= 0:
+                raise ValueError(f"second_moment_threshold must be a number >= 0 (inf: no token rejected), got {x!r}")
+            object.__setattr__(self, "second_moment_threshold", float(x))
         if not isinstance(self.is_batch_normalize, bool):
             raise ValueError(f"is_batch_normalize must be a bool, got {self.is_batch_normalize!r}")
 
@@ -226,7 +237,8 @@ class PolicyLossOptions:
                       clip_c=math.nan if self.clip_ratio_c is None else float(self.clip_ratio_c),
                       norm_length=0.0 if norm_length is None else float(norm_length),
                       winsorize_low=self.opob_winsorize_quantiles[0], winsorize_high=self.opob_winsorize_quantiles[1],
-                      sapo_tau_pos=self.sapo_tau[0], sapo_tau_neg=self.sapo_tau[1])
+                      sapo_tau_pos=self.sapo_tau[0], sapo_tau_neg=self.sapo_tau[1],
+                      m2_threshold=math.nan if self.second_moment_threshold is None else self.second_moment_threshold)
         for name in REJECTION_CRITERIA:  # plain loops: torch.compile traces this
             k1 = name.endswith("k1")
             low, high = (-math.inf if k1 else 0.0), math.inf

@@ -43,10 +43,10 @@ double second_moment_threshold(const TokenView& v, double bound) {
   return first == 0 ? std::numeric_limits<double>::infinity() : values[first - 1];
 }
 
-// `p` with the batch's M2PO threshold, when batch_m2 is in use.
+// `p` with the batch's M2PO threshold, when batch_m2 is in use and the caller gave none.
 template <typename lp_t, typename ref_t, typename acc_t>
 LossParams<acc_t> with_second_moment_threshold(const TokenView& v, LossParams<acc_t> p) {
-  if (p.reject_m2) p.m2_threshold = second_moment_threshold<lp_t, ref_t, acc_t>(v, p.m2_bound);
+  if (p.reject_m2 && !p.m2_given) p.m2_threshold = second_moment_threshold<lp_t, ref_t, acc_t>(v, p.m2_bound);
   return p;
 }
 

@@ -121,10 +121,12 @@ Tensor sequence_rejection(const Tokens& t, int64_t grid, const LossOptions& o, c
 // [1] float64: M2PO's threshold (rejection batch_m2; docs/contract.md, "Rejection"): with v_1 >= ... >= v_n the counted
 // tokens' Delta^2 (Delta in the accumulation dtype, squared in float64, as the token pass; NaN left out), v_k for the
 // smallest k whose rest has a mean <= the bound (an empty rest: 0; +inf for k = 0). A device sort: no host sync.
+// The caller's threshold (a DP group's, o.m2_threshold) as it is.
 Tensor second_moment_threshold(const Tensor& logp, const Tensor& behavior_logp, const OptTensor& old_logp,
                                const OptTensor& mask, const LossOptions& o, at::ScalarType acc) {
   const auto doubles = logp.options().dtype(at::kDouble);
   if (!o.rejects(Rejection::BatchM2)) return at::full({1}, INFINITY, doubles);
+  if (o.m2_threshold) return at::full({1}, *o.m2_threshold, doubles);
   const Tensor prox = old_logp ? *old_logp : logp.detach();
   const Tensor d = (prox.to(acc) - behavior_logp.to(acc)).to(at::kDouble).flatten();
   const Tensor counted = mask ? mask->flatten() : at::ones_like(d, d.options().dtype(at::kBool));

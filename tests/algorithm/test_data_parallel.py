@@ -1,7 +1,7 @@
 """Two gloo processes on the CPU (one launch for the file), each holding half of a batch whose prompt groups span
-both ranks: both get the same ESS ratio, lr scale and baselines, equal to one process on the whole batch; and
-vcpo.step on the two ranks takes one process's whole-batch step for every loss_agg_mode, with and without
-micro-batches."""
+both ranks: both get the same ESS ratio, lr scale and baselines, equal to one process on the whole batch; M2PO's
+mask is the whole batch's; and vcpo.step on the two ranks takes one process's whole-batch step for every
+loss_agg_mode and with M2PO's mask, with and without micro-batches."""
 
 import functools
 
@@ -38,6 +38,9 @@ def _on_rank(rank):
     _step_setup, and the steps of every DP case, mode and micro-batch size."""
     rows = slice(4 * rank, 4 * rank + 4)
     return {"loss": [_loss_on_rank(rank, backend, options) for backend, options in LOSS_CASES],
+            "m2po": {backend: _m2po_loss_on_rank(rank, backend) for backend in M2PO_BACKENDS},
+            "m2po_step": {micro: _dp_step("unequal", "token-mean", micro, rows, dist.group.WORLD, options=M2PO)
+                          for micro in DP_MICRO},
             "step": _step_on_rank(rank),
             "dp": {(case, mode, micro): _dp_step(case, mode, micro, rows, dist.group.WORLD)
                    for case in DP_CASES for mode in MODES for micro in DP_MICRO}}
@@ -185,12 +188,13 @@ def _rows(batch, rows):
                              num_groups=batch.num_groups)
 
 
-def _dp_step(case, mode, micro, rows=None, group=None, assembly="auto"):
+def _dp_step(case, mode, micro, rows=None, group=None, assembly="auto", options=None):
     model, batch = _dp_setup(case)
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     # No clipping: a wrong gradient scale would be hidden by clipping to the same norm.
-    config = vcpo.VCPOConfig(loss_agg_mode=mode, grad_clip=None, micro_batch_size=micro, assembly=assembly)
+    config = vcpo.VCPOConfig(loss_agg_mode=mode, grad_clip=None, micro_batch_size=micro, assembly=assembly,
+                             **(options or {}))
     metrics = vcpo.step(model, opt, batch if rows is None else _rows(batch, rows), config, process_group=group)
     return {"update": [p.detach() - q for p, q in zip(model.parameters(), before)], "metrics": metrics}
 
@@ -216,5 +220,68 @@ def test_two_rank_step_equals_one_process_for_every_aggregation(ranks, case, mod
         torch.testing.assert_close(a, b, rtol=0, atol=0)
         torch.testing.assert_close(a, want, rtol=1e-8, atol=1e-10 * scale)
     assert ranks[0]["metrics"] == ranks[1]["metrics"]  # every rank reports the same, whole-batch metrics
+    for key, value in whole["metrics"].items():
+        assert ranks[0]["metrics"][key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+
+
+# M2PO's mask: an order statistic of every rank's tokens. Rank 1's sequences are shorter, so the ranks hold
+# different numbers of counted tokens (the all_gather pads them).
+M2PO_BOUND = 0.1
+M2PO = dict(rejection=(("batch_m2", None, M2PO_BOUND),), is_level="token")
+M2PO_BACKENDS = ("cpu", "torch")
+
+
+def _m2po_batch():
+    batch = random_batch(24, "padded", num_seqs=8, max_len=12, spread=0.6, groups=3)
+    batch.mask[4:, 8:] = False
+    return batch
+
+
+def _m2po_loss_on_rank(rank, backend):
+    batch = _m2po_batch()
+    local = _rank_slice(batch, rank, 4, 12)
+    logp = local.pop("logp").requires_grad_()
+    out = vcpo.policy_loss(logp, local.pop("behavior_logp"), num_groups=batch.num_groups, config=vcpo.VCPOConfig(
+        backend=backend, **M2PO), process_group=dist.group.WORLD, **local)
+    (grad,) = torch.autograd.grad(out.loss / WORLD, logp)
+    return {"loss": out.loss.detach(), "grad": grad, "rejected": out.rejected_fraction * out.num_tokens}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", M2PO_BACKENDS)
+def test_m2po_mask_over_two_ranks_is_the_whole_batch_mask(ranks, backend):
+    """Each rank's loss over the world size sums to one process's loss on the whole batch, its gradient is that
+    loss's gradient on the rank's rows, and the ranks reject the whole batch's tokens between them; a rank's own
+    threshold would reject others (checked: the whole-batch threshold differs from each half's)."""
+    ranks = [r["m2po"][backend] for r in ranks]
+    batch = _m2po_batch()
+    logp = batch.logp.clone().requires_grad_()
+    whole = vcpo.policy_loss(logp, batch.behavior_logp, mask=batch.mask, rewards=batch.rewards,
+                             group_index=batch.group_index, num_groups=batch.num_groups,
+                             grad_sq_norm=batch.grad_sq_norm, config=vcpo.VCPOConfig(backend=backend, **M2PO))
+    (grad,) = torch.autograd.grad(whole.loss, logp)
+    torch.testing.assert_close(sum(r["loss"] for r in ranks) / WORLD, whole.loss, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(torch.cat([r["grad"] for r in ranks]), grad, rtol=1e-5, atol=1e-7)
+    rejected = sum(float(r["rejected"]) for r in ranks)
+    assert rejected == pytest.approx(float(whole.rejected_fraction * whole.num_tokens)) and rejected > 0
+    delta = (batch.logp - batch.behavior_logp).double()
+    square = torch.where(batch.mask, delta * delta, torch.nan)
+    from vcpo_kernels.reference.policy_loss import second_moment_threshold
+    halves = [second_moment_threshold(square[rows], batch.mask[rows], M2PO_BOUND) for rows in (slice(0, 4), slice(4, 8))]
+    assert all(h != second_moment_threshold(square, batch.mask, M2PO_BOUND) for h in halves)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("micro", DP_MICRO)
+def test_m2po_step_on_two_ranks_equals_one_process(ranks, micro):
+    """vcpo.step with M2PO's mask on two ranks of unequal token counts, whole and in micro-batches: the
+    one-process step."""
+    whole = _dp_step("unequal", "token-mean", None, options=M2PO)
+    ranks = [r["m2po_step"][micro] for r in ranks]
+    scale = max(u.abs().max() for u in whole["update"])
+    for a, b, want in zip(ranks[0]["update"], ranks[1]["update"], whole["update"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, want, rtol=1e-8, atol=1e-10 * scale)
+    assert whole["metrics"]["rejected_fraction"] > 0
     for key, value in whole["metrics"].items():
         assert ranks[0]["metrics"][key] == pytest.approx(value, rel=1e-9, abs=1e-12), key

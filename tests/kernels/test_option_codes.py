@@ -78,6 +78,7 @@ def test_packed_options_by_position():
     sapo_codes, sapo_values = vk.PolicyLossOptions(trust_region="sapo", sapo_tau=(0.5, 2.0)).packed(None)
     assert dict(zip(options.LOSS_CODES, sapo_codes))["trust_region"] == 6
     assert [dict(zip(options.LOSS_VALUES, sapo_values))[k] for k in ("sapo_tau_pos", "sapo_tau_neg")] == [0.5, 2.0]
+    assert math.isnan(value.pop("m2_threshold"))  # none given: batch_m2 forms its own
     rejection = {k: value.pop(k) for k in list(value) if k.startswith(("token_", "seq_", "batch_"))}
     assert value == pytest.approx(dict(log_threshold=math.log(2.0), log_threshold_low=math.log(0.25),
                                        ess_base_ratio=1.0, clip_low=0.1, clip_high=0.3, clip_c=3.0, norm_length=16.0,
@@ -89,7 +90,11 @@ def test_packed_options_by_position():
     assert all(v == (-math.inf if "k1" in k else 0.0) for k, v in rejection.items() if k.endswith("_low"))
     _, values = vk.PolicyLossOptions().packed(None)
     off = dict(zip(options.LOSS_VALUES, values))
-    assert all(math.isnan(off[k]) for k in ("clip_low", "clip_high", "clip_c")) and off["norm_length"] == 0.0
+    assert all(math.isnan(off[k]) for k in ("clip_low", "clip_high", "clip_c", "m2_threshold"))
+    assert off["norm_length"] == 0.0
+    _, values = vk.PolicyLossOptions(rejection=(("batch_m2", None, 0.05),), second_moment_threshold=0.3).packed(None)
+    given = dict(zip(options.LOSS_VALUES, values))
+    assert given["m2_threshold"] == 0.3 and given["batch_m2_high"] == 0.05
 
 
 @pytest.mark.skipif("cpu" not in COMPILED_BACKENDS, reason="the C++ extension is not built")

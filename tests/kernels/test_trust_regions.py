@@ -2,6 +2,8 @@
 refusal, the token-form gradients against finite differences, extreme and zero ratios, tokens outside the sampling
 support and half-precision inputs (values in masked positions: test_edge_cases.py)."""
 
+import math
+
 import pytest
 import torch
 
@@ -148,16 +150,6 @@ def test_half_precision_inputs(backend, rule, low):
     assert_matches(got, got_grad.float(), want, want_grad, rtol=1e-2, atol=1e-4)
 
 
-def test_m2po_mask_is_refused_over_ranks():
-    """batch_m2's order statistic is the loss call's: over a process_group's ranks it would be each rank's own."""
-    import vcpo
-
-    batch = random_batch(3, "padded")
-    with pytest.raises(ValueError, match="not formed over the ranks"):
-        vcpo.policy_loss(batch.logp, batch.behavior_logp, config=vcpo.VCPOConfig(rejection=(("batch_m2", None, 0.1),)),
-                         process_group=object(), **batch.kwargs())
-
-
 @pytest.mark.parametrize("backend", ["torch"] + COMPILED_BACKENDS)
 def test_m2po_mask_edges(backend):
     """batch_m2 where every token passes (a bound above the whole batch's mean: nothing masked), where none can (a
@@ -180,6 +172,34 @@ def test_m2po_mask_edges(backend):
     got, got_grad = run(batch, backend, advantages=adv, rejection=(("batch_m2", None, 0.05),), is_level="token")
     assert got_grad[row, col] == 0 and 0 < got.rejected_fraction.item() < 1
     assert_matches(got, got_grad, want, want_grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["torch"] + COMPILED_BACKENDS)
+def test_m2po_given_threshold(backend):
+    """second_moment_threshold given (a data-parallel group's): the batch's own threshold reproduces the computed
+    mask; another one masks exactly the counted tokens with Delta^2 at or above it (a brute-force count), with the
+    loss and gradient of the reference given the same; +inf masks none."""
+    batch = random_batch(61, "padded", dtype=torch.float64, spread=0.6)
+    m2 = dict(rejection=(("batch_m2", None, 0.05),), is_level="token")
+    delta = (batch.logp - batch.behavior_logp)[batch.mask]
+    v = torch.sort(delta * delta, descending=True).values
+    own = float(v[int(torch.nonzero(torch.stack([v[k:].mean() <= 0.05 for k in range(v.numel())]))[0]) - 1])
+    computed, computed_grad = run(batch, backend, **m2)
+    given, given_grad = run(batch, backend, second_moment_threshold=own, **m2)
+    assert_matches(given, given_grad, computed, computed_grad, rtol=1e-12, atol=0)
+    for threshold in (float(v[v.numel() // 3]), math.inf):
+        got, got_grad = run(batch, backend, second_moment_threshold=threshold, **m2)
+        want, want_grad = run(batch, "torch", second_moment_threshold=threshold, **m2)
+        assert got.rejected_fraction.item() == pytest.approx(float((v >= threshold).sum()) / v.numel(), abs=1e-12)
+        assert_matches(got, got_grad, want, want_grad, rtol=1e-10, atol=1e-12)
+
+
+def test_m2po_given_threshold_is_checked():
+    with pytest.raises(ValueError, match="second_moment_threshold is the threshold of rejection 'batch_m2'"):
+        vk.PolicyLossOptions(second_moment_threshold=0.1)
+    for bad in (-1.0, math.nan, True, "0.1"):
+        with pytest.raises(ValueError, match="second_moment_threshold must be a number >= 0"):
+            vk.PolicyLossOptions(rejection=(("batch_m2", None, 0.05),), second_moment_threshold=bad)
 
 
 @pytest.mark.parametrize("backend", COMPILED_BACKENDS)

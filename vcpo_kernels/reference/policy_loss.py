@@ -37,7 +37,9 @@ def rejected_tokens(delta: Tensor, counted: Tensor, ids: Tensor, length: Tensor,
         scope, kind = name.rsplit("_", 1)
         if scope == "batch":  # M2PO: Delta^2 (in float64) at or above the batch's threshold (a NaN fails)
             square = delta.double() * delta.double()
-            rejected |= counted & ~(square < second_moment_threshold(square, counted, opts.second_moment_bound))
+            threshold = (second_moment_threshold(square, counted, opts.second_moment_bound)
+                         if opts.second_moment_threshold is None else opts.second_moment_threshold)
+            rejected |= counted & ~(square < threshold)
             continue
         token = {"k1": delta, "k2": 0.5 * delta * delta, "k3": torch.expm1(delta) - delta}[kind]
         if scope == "token":

@@ -111,14 +111,16 @@ def sequence_rejection(t: TokenBatch, plan, length: torch.Tensor, opts: PolicyLo
 
 def token_criteria(t: TokenBatch, opts: PolicyLossOptions) -> dict:
     """The token pass's rejection arguments: the k1 bounds (log r, the entries' intersection) and the k2 and k3
-    upper bounds (PolicyLossOptions.packed), M2PO's threshold ([1] float64 on the device, +inf without it: Delta in
-    the accumulation dtype, as the token pass forms it, squared and ordered in float64) and the flags."""
+    upper bounds (PolicyLossOptions.packed), M2PO's threshold ([1] float64 on the device, +inf without it: the
+    given one, or from Delta in the accumulation dtype, as the token pass forms it, squared and ordered in float64)
+    and the flags."""
     packed = dict(zip(LOSS_VALUES, opts.packed(None)[1]))
     bounds = tuple(packed[k] for k in ("token_k1_low", "token_k1_high", "token_k2_high", "token_k3_high"))
     names = {name for name, _, _ in opts.rejection}
     bound = opts.second_moment_bound
-    threshold = torch.full((1,), math.inf, dtype=torch.float64, device=t.logp.device)
-    if bound is not None:
+    given = opts.second_moment_threshold  # the caller's (a DP group's), else formed from these tokens
+    threshold = torch.full((1,), math.inf if given is None else given, dtype=torch.float64, device=t.logp.device)
+    if bound is not None and given is None:
         acc = t.acc_dtype
         counted = torch.ones_like(t.logp, dtype=torch.bool) if t.mask is None else t.mask != 0
         prox = t.logp.detach() if t.old_logp is None else t.old_logp
