@@ -94,13 +94,14 @@ def _terms(layout: SequenceLayout, rec: Record, call: Call) -> list:
         xe = x[tok]
         W1, W2 = acc(w1[e].detach()), acc(w2[e].detach())
         W1, W2 = (W1.T, W2.T) if transposed else (W1, W2)  # as [out, in]
-        z1 = xe @ W1.T + (acc(b1[e].detach()) if b1 is not None else 0)
+        z1 = xe @ W1.T if b1 is None else xe @ W1.T + acc(b1[e].detach())  # (+ 0 would copy z1)
         with torch.enable_grad():
             z1 = z1.detach().requires_grad_()
             a_graph = m._apply_gate(z1) if gated else m.act_fn(z1)
         a = a_graph.detach()
         if check:
-            replay.index_add_(0, tok, (a @ W2.T + (acc(b2[e].detach()) if b2 is not None else 0)) * r)
+            z2 = a @ W2.T if b2 is None else a @ W2.T + acc(b2[e].detach())
+            replay.index_add_(0, tok, z2 * r)
         dz2 = dout[tok] * r
         (dz1,) = torch.autograd.grad(a_graph, z1, dz2 @ W2)
         terms.append((e, seq_of_token[tok], [(w1, dz1, xe, b1), (w2, dz2, a, b2)]))
