@@ -256,6 +256,19 @@ void policy_loss_forward(const TokenView& v, const SequenceInputs& seq, const Lo
   write_results(tot, ess, p.level == IsLevel::Token, out);
 }
 
+// Where no token pass is needed, every counted token of sequence i has the gradient -scale_i A_i (0 where scale_i
+// is 0, whatever A_i): the token pass's value with c = r = 1, written without reading the log-probs.
+template <typename lp_t, typename acc_t>
+void constant_token_grad(const TokenView& v, int64_t first, int64_t last, const acc_t* adv, const acc_t* scale,
+                         lp_t* grad) {
+  for (int64_t i = first; i < last; ++i) {
+    const acc_t g = scale[i] == acc_t(0) ? acc_t(0) : scale[i] * -adv[i];
+    for (int64_t t = v.cu_seqlens[i]; t < v.cu_seqlens[i + 1]; ++t) {
+      store(grad, t, v.mask == nullptr || v.mask[t] ? g : acc_t(0));
+    }
+  }
+}
+
 // d loss / d logp for every token (zero on tokens that do not count).
 template <typename lp_t, typename ref_t, typename acc_t>
 void policy_loss_backward(const TokenView& v, acc_t grad_loss, const acc_t* grad_scale, const acc_t* adv,
@@ -266,8 +279,13 @@ void policy_loss_backward(const TokenView& v, acc_t grad_loss, const acc_t* grad
   std::vector<acc_t> scale(B);
   for (int64_t i = 0; i < B; ++i) scale[i] = grad_loss * grad_scale[i];
   const TokenSums<acc_t> unused{nullptr, nullptr, nullptr, nullptr, nullptr};
+  const bool per_token = needs_token_pass(v, p);
   at::parallel_for(0, B, sequence_grain(B, N), [&](int64_t a, int64_t b) {
-    token_pass<true, lp_t, ref_t, acc_t>(v, a, b, adv, scale.data(), p, unused, grad);
+    if (per_token) {
+      token_pass<true, lp_t, ref_t, acc_t>(v, a, b, adv, scale.data(), p, unused, grad);
+    } else {
+      constant_token_grad<lp_t, acc_t>(v, a, b, adv, scale.data(), grad);
+    }
   });
 }
 

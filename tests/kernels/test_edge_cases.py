@@ -228,6 +228,43 @@ def test_zero_weight_units_contribute_exactly_zero(backend, is_level):
 
 
 @pytest.mark.parametrize("backend", COMPILED_BACKENDS)
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_masked_out_sequence_with_a_nonfinite_advantage_adds_exactly_zero(backend, layout):
+    """Sequence-level weights, no anchor, no trust region (no token pass: every counted token of a sequence has one
+    gradient): a sequence the IS mask removes (c_i = 0) whose advantage is NaN (unvalidated, as an internal caller
+    may pass; an inf one on a sequence without counted tokens) gets a gradient of exactly 0, selected away; the rest
+    equal the reference's. (The float64 reference's autograd gives 0 * NaN = NaN there: the compiled ops are the
+    contract's "exactly 0".)"""
+    batch = random_batch(16, layout, dtype=torch.float64, spread=0.05)
+    behavior = batch.behavior_logp.clone()
+    rows = []
+    for i in (1, 2):  # far outside the mask's band: c = 0
+        part = slice(int(batch.cu_seqlens[i]), int(batch.cu_seqlens[i + 1])) if layout == "packed" else i
+        behavior[part] = batch.logp[part] - 5.0
+        rows.append(part)
+    batch.behavior_logp = behavior
+    adv = torch.linspace(-1.0, 1.0, batch.rewards.numel(), dtype=torch.float64)
+    adv[1], adv[2] = torch.inf, torch.nan
+    kw = batch.kwargs()
+    kw.pop("rewards")
+    results = {}
+    for name in (backend, "torch"):
+        logp = batch.logp.clone().requires_grad_()
+        out = vk.policy_loss(logp, batch.behavior_logp, advantages=adv, is_correction="mask", is_threshold=2.0,
+                             validate=False, backend=name, **kw)
+        out.loss.backward()
+        results[name] = (out, logp.grad)
+    got, got_grad = results[backend]
+    want_grad = results["torch"][1].clone()
+    assert torch.isnan(want_grad[rows[1]]).any()  # the reference's corner
+    assert torch.all(got_grad[rows[0]] == 0) and torch.all(got_grad[rows[1]] == 0)
+    assert torch.isfinite(got.loss) and torch.all(torch.isfinite(got_grad))
+    want_grad[rows[1]] = 0
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(got.loss, results["torch"][0].loss, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("backend", COMPILED_BACKENDS)
 def test_fp64_behavior_with_fp32_old_logp_keeps_fp64(backend):
     logp = torch.tensor([[-1.0, -2.0, -0.5]], dtype=torch.float64)
     mu = logp - torch.tensor([[1e-9, 3e-9, -2e-9]], dtype=torch.float64)
