@@ -57,13 +57,16 @@ def global_share(part_length: Tensor, whole_count, loss_agg_mode: str) -> Tensor
     return part / torch.as_tensor(whole_count, dtype=part.dtype, device=part.device).clamp(min=1)
 
 
-def second_moment_threshold(tokens, options, process_group) -> float:
-    """M2PO's threshold (rejection batch_m2) over the counted tokens of every rank, as one process holding them all
-    would form it (docs/contract.md, "Rejection"): each rank's Delta^2 (float64; NaN left out) in one all_gather,
-    padded with NaN to the largest rank's count. Two host reads: the counts, and the threshold."""
+def second_moment_threshold(tokens, options, process_group=None) -> float:
+    """M2PO's threshold (rejection batch_m2) over the counted tokens of every rank of `process_group` (None: this
+    process's), as one process holding them all would form it (docs/contract.md, "Rejection"): each rank's Delta^2
+    (float64; NaN left out) in one all_gather, padded with NaN to the largest rank's count. Two host reads: the
+    counts, and the threshold."""
     counted, _, delta = token_deltas(tokens)
     square = delta.double() * delta.double()
     local = square[counted & ~torch.isnan(square)]
+    if process_group is None:
+        return float(reference_threshold(local, torch.ones_like(local, dtype=torch.bool), options.second_moment_bound))
     world = dist.get_world_size(process_group)
     counts = [torch.zeros(1, dtype=torch.int64, device=local.device) for _ in range(world)]
     dist.all_gather(counts, torch.tensor([local.numel()], device=local.device), group=process_group)

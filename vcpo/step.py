@@ -17,9 +17,10 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 import vcpo_kernels as vk
+from vcpo_kernels.inputs import token_batch
 
 from .config import VCPOConfig
-from .distributed import agg_count, global_share
+from .distributed import agg_count, global_share, second_moment_threshold
 from .grad_norms import RECORDED, PerSequenceGradients, UnsupportedModuleError, recorder
 from .loss import policy_loss
 from .lr import scale_lr, smoothed_lr_scale
@@ -191,9 +192,10 @@ class _Plan:
     options: Optional[VCPOConfig] = None  # the config, with norm_length the whole batch's where it defaults
 
 
-def _whole_batch_loss(config: VCPOConfig) -> str:
-    """Why a sequence's loss depends on sequences outside its prompt group, or "" when it does not."""
-    if config.second_moment_bound is not None:
+def _whole_batch_loss(config: VCPOConfig, batch: RolloutBatch) -> str:
+    """Why a sequence's loss depends on sequences outside its prompt group, or "" when it does not (M2PO's mask
+    with old_logp: its threshold is formed before the micro-batches, _old_policy_threshold)."""
+    if config.second_moment_bound is not None and config.second_moment_threshold is None and batch.old_logp is None:
         return "rejection 'batch_m2' masks by an order statistic of the whole batch's tokens"
     if config.advantage == "reinforce":
         return "advantage='reinforce' subtracts the batch's mean reward"
@@ -260,7 +262,7 @@ def _plan(batch: RolloutBatch, config: VCPOConfig, process_group) -> _Plan:
         options = config.replace(norm_length=max(longest - 1, 1))  # the padded length T of the logp [B, T-1]
     why = ""
     if len(parts) > 1:
-        why = _whole_batch_loss(config) or ("prompt groups span ranks of the process_group" if spans else "")
+        why = _whole_batch_loss(config, batch) or ("prompt groups span ranks of the process_group" if spans else "")
     return _Plan(parts, per_micro_batch=len(parts) > 1 and not why, recompute=why, num_groups=ng,
                  count=max(total, 1.0), world=world, options=options)
 
@@ -332,6 +334,15 @@ class _Pass:
             self.logp.backward(dlogp)
 
 
+def _old_policy_threshold(batch: RolloutBatch, logp_dtype: torch.dtype, config: VCPOConfig, process_group) -> float:
+    """M2PO's threshold with old_logp given: Delta = old_logp - behaviour (in the log-probs' accumulation dtype, as
+    the loss forms it) needs no forward, so it is formed once over the whole batch (and every rank) and each
+    micro-batch's loss takes it, instead of waiting for the whole batch's loss and a second forward."""
+    old = batch.old_logp[:, 1:].to(logp_dtype)
+    tokens = token_batch(old, batch.behavior_logp[:, 1:], old, batch.loss_mask[:, 1:] != 0, validate=False)
+    return second_moment_threshold(tokens, config, process_group)
+
+
 def _micro_batch_dlogp(part: _Pass, mb: RolloutBatch, plan: _Plan, config: VCPOConfig) -> Tensor:
     """d loss / d log pi on one micro-batch's tokens: the fused loss over its sequences (its prompt groups are
     whole, so their advantages are the whole batch's), times its share of the whole batch's normalisation."""
@@ -382,6 +393,10 @@ def _step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatc
             if grad_sq_norm is not None:
                 grad_sq_norm[rows] = part.grad_sq_norm
         if plan.per_micro_batch:
+            if config.second_moment_bound is not None and config.second_moment_threshold is None:  # once, see above
+                threshold = _old_policy_threshold(batch, part.logp.dtype, config, process_group)
+                config = config.replace(second_moment_threshold=threshold)
+                plan.options = plan.options.replace(second_moment_threshold=threshold)
             part.backward(_micro_batch_dlogp(part, mb, plan, config))
         elif keep:
             kept = part

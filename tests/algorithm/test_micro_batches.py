@@ -44,6 +44,9 @@ PATHS = {
     "batch-normalize": (dict(is_batch_normalize=True, is_threshold=1.5), "recompute"),
     "gspo-bypass": (dict(trust_region="gspo", clip_ratio=(0.01, 0.01), is_correction="none"), "per micro-batch"),
     "m2po": (dict(rejection=(("batch_m2", None, 0.2),), is_level="token"), "recompute"),
+    # with old_logp, Delta = old_logp - behaviour is known before any forward: the threshold first, no recompute
+    "m2po-old": (dict(rejection=(("batch_m2", None, 0.1),), is_level="token", clip_ratio=(0.2, 0.2)),
+                 "per micro-batch"),
 }
 
 
@@ -158,7 +161,7 @@ def _check(got, want, num_micro, options, path, tol=1e-5):
 def test_micro_batched_step_equals_whole_batch_step(path, mode, micro, monkeypatch):
     options, kind = PATHS[path]
     options = dict(options, loss_agg_mode=mode)
-    with_old = path == "token-level-old"
+    with_old = path in ("token-level-old", "m2po-old")
     got = _run("llama", False, options, micro, monkeypatch, with_old=with_old)
     # A second forward of each micro-batch is a plain backward: compared with the whole batch's (book-keeping
     # agrees with it to float32 rounding only).
