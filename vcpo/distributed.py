@@ -64,9 +64,9 @@ def second_moment_threshold(tokens, options, process_group=None) -> float:
     counts, and the threshold."""
     counted, _, delta = token_deltas(tokens)
     square = delta.double() * delta.double()
-    local = square[counted & ~torch.isnan(square)]
     if process_group is None:
-        return float(reference_threshold(local, torch.ones_like(local, dtype=torch.bool), options.second_moment_bound))
+        return float(reference_threshold(square, counted, options.second_moment_bound))
+    local = square[counted & ~torch.isnan(square)]  # the counted values only: what the gather carries
     world = dist.get_world_size(process_group)
     counts = [torch.zeros(1, dtype=torch.int64, device=local.device) for _ in range(world)]
     dist.all_gather(counts, torch.tensor([local.numel()], device=local.device), group=process_group)

@@ -146,7 +146,8 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: RolloutBatch
     """One VCPO update of `model` (a causal LM returning `.logits`, e.g. any Hugging Face model; not wrapped
     in DDP). Returns the metrics of the whole batch; the only host sync is the one that reads them (and the lr
     scale with them), plus one before the first forward with `micro_batch_size` (the prompt groups and lengths
-    that form the micro-batches): the batch's values are not validated here (vcpo.policy_loss does that, at the
+    that form the micro-batches), and the reads that form M2PO's threshold where the step forms it itself (over a
+    `process_group`, or with `old_logp` and micro-batches): the batch's values are not validated here (vcpo.policy_loss does that, at the
     cost of host reads). With a data-parallel `process_group` (every rank calling with its own sequences, as many
     as the others, and a global `num_groups`), the ESS, lr scale, baselines, loss normalisation and metrics cover
     the sequences of all ranks and the gradients are averaged over the ranks before clipping, so every rank
