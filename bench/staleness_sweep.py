@@ -30,6 +30,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from vcpo.trainer.plot import read_metrics, rolling_mean
+from vcpo.trainer.run_folder import committed_checkpoints
 
 # rule name -> `vcpo train` arguments; the loss presets are vcpo.trainer.config.LOSS_PRESETS
 RULES = {
@@ -296,8 +298,10 @@ def control_lr(args, run: Run) -> float:
 
 def train_args(run: Run, args) -> list[str]:
     folder = os.path.join(args.out, run.name)
-    if os.path.isfile(os.path.join(folder, "config.json")):  # started before: continue it
+    if committed_checkpoints(folder):  # started before: continue it
         return ["--resume", folder, "--no-progress"]
+    if os.path.isdir(folder):  # stopped before its first checkpoint: nothing to resume (one sweep per --out folder)
+        shutil.rmtree(folder)
     lr = control_lr(args, run) if run.rule.endswith(CONTROL) else args.lr
     return [*RULES[run.base_rule], "--max-staleness", str(run.k), "--seed", str(run.seed), "--steps",
             str(args.steps), "--lr", repr(lr), "--output-dir", folder, "--no-progress", *args.train_args]

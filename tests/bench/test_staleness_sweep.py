@@ -109,6 +109,7 @@ def fake_train(calls, steps, lr_scale=0.5):
             for t in range(steps):
                 f.write(json.dumps({"reward": t / steps, "ess_ratio": 0.9, "lag": t % 3,
                                     "lr_scale": lr_scale + 0.01 * (t % 3), "wall_seconds": 0.05 * (t + 1)}) + "\n")
+        os.makedirs(os.path.join(folder, "checkpoints", f"step-{steps:06d}"), exist_ok=True)
         with open(os.path.join(folder, "summary.json"), "w") as f:
             json.dump({"interrupted": False, "steps": steps, "wall_seconds": 1.0,
                        "final_eval": {"version": steps, "accuracy": 0.5 + 0.1 * ("vcpo" in folder)}}, f)
@@ -144,6 +145,14 @@ def test_sweep_skips_finished_runs_resumes_started_ones_and_sets_the_control_lr(
     os.remove(tmp_path / "summaries" / "grpo-k4-s1.json")
     run_sweep(args)
     assert calls == [["--resume", str(tmp_path / "grpo-k4-s1"), "--no-progress"]]
+
+    calls.clear()
+    os.remove(tmp_path / "summaries" / "grpo-k4-s1.json")  # stopped before its first checkpoint: started again
+    shutil.rmtree(tmp_path / "grpo-k4-s1" / "checkpoints")
+    os.remove(tmp_path / "grpo-k4-s1" / "summary.json")
+    run_sweep(args)
+    assert len(calls) == 1 and "--resume" not in calls[0]
+    assert calls[0][calls[0].index("--output-dir") + 1] == str(tmp_path / "grpo-k4-s1")
 
     calls.clear()
     os.remove(tmp_path / "summaries" / "vcpo-k0-s0.json")  # finished, but killed before its summary was written

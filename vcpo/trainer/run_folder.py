@@ -88,7 +88,7 @@ def _fsync_tree(root: str) -> None:
 _CHECKPOINT = re.compile(r"step-(\d+)")
 
 
-def _checkpoints(path: str) -> list[str]:
+def committed_checkpoints(path: str) -> list[str]:
     """The committed checkpoints of the run in `path`, oldest first (not the .tmp ones being written, nor those
     set aside as .corrupt)."""
     root = os.path.join(path, "checkpoints")
@@ -214,13 +214,13 @@ class RunFolder:
                     self.log(f"removed {path}: {what} that was being written when the run stopped")
 
     def checkpoints(self) -> list[str]:
-        return _checkpoints(self.path)
+        return committed_checkpoints(self.path)
 
     @staticmethod
     def latest_checkpoint(path: str) -> str:
         """The newest checkpoint of the run in `path` (read-only: what a trainer rank > 0 resumes from, once rank 0's
         resume_checkpoint has set aside any that does not read back)."""
-        return _checkpoints(path)[-1]
+        return committed_checkpoints(path)[-1]
 
     def resume_checkpoint(self) -> str:
         """The newest checkpoint that reads back (`unreadable`). Newer ones that do not (a file cut short: a full
