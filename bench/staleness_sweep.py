@@ -73,8 +73,9 @@ ABLATIONS = {
 }
 # The peers' stabilisers (vcpo train's presets), alone and with VCPO's ESS-scaled step: on request
 PEERS = ("gspo", "gmpo", "cispo", "dppo", "sapo", "icepop", "m2po")
+ESS_TWIN = "-ess"  # suffix of a peer's rule with VCPO's ESS-scaled step: the report pairs it with the rule alone
 PEER_RULES = {**{rule: ["--loss", rule] for rule in PEERS},
-              **{f"{rule}-ess": ["--loss", rule, "--ess-scaling"] for rule in PEERS}}
+              **{rule + ESS_TWIN: ["--loss", rule, "--ess-scaling"] for rule in PEERS}}
 # The rules above at a constant lr, the only schedule before 0eb50e8 (every summary of rule r at an older commit ran at
 # a constant lr); these with the lr decayed over the run, `vcpo train`'s default since
 # (bench/RESULTS.md, "The main job with a decaying lr").
@@ -370,17 +371,23 @@ def aggregate(summaries: dict[Run, dict]) -> list[dict]:
 
 
 def paired(summaries: dict[Run, dict], key: str = "final_accuracy") -> list[dict]:
-    """VCPO minus each other rule at the same k, seed by seed (every rule runs on the same seeds): the mean
-    difference of `key` with its 95% interval, over the seeds both ran."""
+    """Seed by seed at the same k (every rule runs on the same seeds), over the seeds both ran: VCPO minus each
+    other rule (`reference` "vcpo"), and each peer's rule with the ESS-scaled step minus the rule alone
+    (`reference` the twin, e.g. "gspo-ess" minus "gspo": where VCPO's step helps another rule). The mean difference
+    of `key` with its 95% interval, and on how many seeds the reference was ahead."""
     rows = []
     for k in sorted({run.k for run in summaries}):
-        for rule in sorted({run.rule for run in summaries if run.k == k and run.rule != "vcpo"}):
-            diffs = [summaries[Run("vcpo", k, run.seed)][key] - d[key] for run, d in summaries.items()
-                     if run.k == k and run.rule == rule and Run("vcpo", k, run.seed) in summaries]
+        rules = sorted({run.rule for run in summaries if run.k == k})
+        pairs = [("vcpo", rule) for rule in rules if rule != "vcpo"]
+        pairs += [(rule, rule.removesuffix(ESS_TWIN)) for rule in rules
+                  if rule.endswith(ESS_TWIN) and rule.removesuffix(ESS_TWIN) in rules]
+        for reference, rule in pairs:
+            diffs = [summaries[Run(reference, k, run.seed)][key] - d[key] for run, d in summaries.items()
+                     if run.k == k and run.rule == rule and Run(reference, k, run.seed) in summaries]
             if diffs:
                 mean, _, half = mean_ci(diffs)
-                rows.append({"k": k, "rule": rule, "seeds": len(diffs), "diff": mean, "ci95": half,
-                             "vcpo_ahead": sum(d > 0 for d in diffs)})
+                rows.append({"k": k, "reference": reference, "rule": rule, "seeds": len(diffs), "diff": mean,
+                             "ci95": half, "reference_ahead": sum(d > 0 for d in diffs)})
     return rows
 
 
@@ -406,10 +413,12 @@ def markdown(table: list[dict], pairs: list[dict]) -> str:
                      f"{row['collapses']}{f' ({falls})' if falls else ''} | {row['ess_median']:.3f} | "
                      f"{row['lr_scale_median']:.3f} | {_variation(row['lr_scale_variation'])} | {row['lr']:.2e} | {row['mean_lag']:.1f} | {row['wall_s']:.0f} |")
     if pairs:
-        lines += ["", "Paired by seed, VCPO minus the rule (final held-out accuracy):", "",
-                  "| k | rule | seeds | VCPO - rule (mean +- 95% CI) | seeds with VCPO ahead |", "|---|---|---|---|---|"]
-        lines += [f"| {p['k']} | {p['rule']} | {p['seeds']} | {_pm((p['diff'], 0.0, p['ci95']))} | "
-                  f"{p['vcpo_ahead']} of {p['seeds']} |" for p in pairs]
+        lines += ["", "Paired by seed, the reference (VCPO, or a peer's rule with the ESS-scaled step) minus the rule "
+                  "(final held-out accuracy):", "",
+                  "| k | reference | rule | seeds | reference - rule (mean +- 95% CI) | seeds with the reference ahead |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {p['k']} | {p['reference']} | {p['rule']} | {p['seeds']} | {_pm((p['diff'], 0.0, p['ci95']))} | "
+                  f"{p['reference_ahead']} of {p['seeds']} |" for p in pairs]
     return "\n".join(lines) + "\n"
 
 

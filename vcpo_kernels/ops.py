@@ -21,7 +21,7 @@ from .inputs import (
     sequence_batch,
     token_batch,
 )
-from .options import SCALAR_FIELDS, PolicyLossOptions
+from .options import DEFAULT_LR_RULE, SCALAR_FIELDS, PolicyLossOptions
 from .truncation import truncates
 
 
@@ -116,7 +116,7 @@ def effective_sample_size(
     *,
     seq_length: Optional[Tensor] = None,
     ess_base_ratio: float = 1.0,
-    lr_rule: Optional[str] = "sqrt",
+    lr_rule: Optional[str] = DEFAULT_LR_RULE,
     is_threshold: Optional[float] = None,
     validate: bool = True,
     backend: str = "auto",

@@ -231,23 +231,27 @@ def test_mean_ci_covers_the_mean_95_percent_of_the_time():
 
 
 def test_paired_differences_against_a_loop():
+    """VCPO against every rule, and each peer's ESS-scaled twin against the rule alone, over the seeds both ran."""
     rng = random.Random(4)
     summaries = {}
     for seed in range(6):
-        for rule in ("vcpo", "seq-tis", "grpo"):
+        for rule in ("vcpo", "seq-tis", "grpo", "gspo", "gspo" + sweep.ESS_TWIN, "cispo" + sweep.ESS_TWIN):
             for k in (4, 16):
-                if (rule, seed) != ("grpo", 5):  # one rule missed a seed: only the shared seeds are paired
+                if (rule, seed) not in (("grpo", 5), ("gspo", 0)):  # missed seeds: only the shared ones are paired
                     summaries[sweep.Run(rule, k, seed)] = {"final_accuracy": rng.random()}
-    for row in sweep.paired(summaries):
-        diffs = [summaries[sweep.Run("vcpo", row["k"], s)]["final_accuracy"]
-                 - summaries[sweep.Run(row["rule"], row["k"], s)]["final_accuracy"]
-                 for s in range(6) if sweep.Run(row["rule"], row["k"], s) in summaries]
-        assert row["seeds"] == len(diffs) == (5 if row["rule"] == "grpo" else 6)
+    rows = sweep.paired(summaries)
+    for row in rows:
+        ref, rule = row["reference"], row["rule"]
+        diffs = [summaries[sweep.Run(ref, row["k"], s)]["final_accuracy"]
+                 - summaries[sweep.Run(rule, row["k"], s)]["final_accuracy"]
+                 for s in range(6) if sweep.Run(rule, row["k"], s) in summaries and sweep.Run(ref, row["k"], s) in summaries]
+        assert row["seeds"] == len(diffs) == (5 if rule in ("grpo", "gspo") else 6)
         assert row["diff"] == pytest.approx(statistics.fmean(diffs))
         assert row["ci95"] == pytest.approx(sweep.T975[len(diffs) - 2] * statistics.stdev(diffs) / len(diffs) ** 0.5)
-        assert row["vcpo_ahead"] == sum(d > 0 for d in diffs)
-    assert {(r["k"], r["rule"]) for r in sweep.paired(summaries)} == {(4, "grpo"), (4, "seq-tis"), (16, "grpo"),
-                                                                     (16, "seq-tis")}
+        assert row["reference_ahead"] == sum(d > 0 for d in diffs)
+    rules = ("grpo", "seq-tis", "gspo", "gspo-ess", "cispo-ess")
+    assert {(r["k"], r["reference"], r["rule"]) for r in rows} == (  # a twin without its base rule is not paired
+        {(k, "vcpo", rule) for k in (4, 16) for rule in rules} | {(k, "gspo-ess", "gspo") for k in (4, 16)})
 
 
 def test_sweep_stops_at_the_budget(tmp_path, monkeypatch):
@@ -285,10 +289,10 @@ def test_report_aggregates_over_seeds(tmp_path, monkeypatch, capsys):
     assert row["collapses"] == 0
     assert row["mean_lag"] == pytest.approx(statistics.fmean(t % 3 for t in range(20)))
     pair = next(p for p in report["paired"] if p["rule"] == "grpo" and p["k"] == 4)
-    assert pair["seeds"] == 3 and pair["diff"] == pytest.approx(0.1) and pair["vcpo_ahead"] == 3
+    assert pair["seeds"] == 3 and pair["diff"] == pytest.approx(0.1) and pair["reference_ahead"] == 3
     assert os.path.getsize(tmp_path / "curves.png") > 0 and os.path.getsize(tmp_path / "accuracy.png") > 0
     out = capsys.readouterr().out
-    assert "| vcpo | 4 | 3 | 0.600 +- 0.000 |" in out and "| 4 | grpo | 3 | 0.100 +- 0.000 | 3 of 3 |" in out
+    assert "| vcpo | 4 | 3 | 0.600 +- 0.000 |" in out and "| 4 | vcpo | grpo | 3 | 0.100 +- 0.000 | 3 of 3 |" in out
 
 
 if __name__ == "__main__":

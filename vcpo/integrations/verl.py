@@ -18,6 +18,7 @@ from torch import Tensor
 from verl.trainer.ppo.core_algos import register_policy_loss
 
 from vcpo_kernels.ops import batch_normalizer
+from vcpo_kernels.options import DEFAULT_LR_RULE
 
 from ..config import VCPOConfig
 from ..distributed import global_share
@@ -212,7 +213,7 @@ class VCPOAdamW(torch.optim.AdamW):
     step's), `batch_lr_scale` (its sequences' own; the same without lr_scale_ema), `num_seqs`, `skipped` (1.0 or 0.0)
     and `skip_reason` are in `.vcpo_stats` (floats)."""
 
-    def __init__(self, params, *, lr_rule="sqrt", ess_base_ratio=1.0, lr_scale_ema=0.0, process_group=None,
+    def __init__(self, params, *, lr_rule=DEFAULT_LR_RULE, ess_base_ratio=1.0, lr_scale_ema=0.0, process_group=None,
                  **adamw_kwargs):
         VCPOConfig(lr_rule=lr_rule, ess_base_ratio=ess_base_ratio, lr_scale_ema=lr_scale_ema)  # names a bad value
         super().__init__(params, **adamw_kwargs)

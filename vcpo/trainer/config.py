@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Optional
 
 from vcpo.config import VCPOConfig
+from vcpo_kernels.options import DEFAULT_LR_RULE
 
 from .gguf_models import is_gguf
 from .lora import VLLM_MAX_LORA_RANKS
@@ -340,7 +341,7 @@ class TrainConfig:
     def vcpo_config(self) -> VCPOConfig:
         options = dict(LOSS_PRESETS[self.loss])
         if self.ess_scaling is not None:
-            options["lr_rule"] = "sqrt" if self.ess_scaling else None
+            options["lr_rule"] = DEFAULT_LR_RULE if self.ess_scaling else None
         if self.opob is not None:
             options.update({"advantage": "opob", "grad_norms": "exact"} if self.opob
                            else {"advantage": "grpo", "grad_norms": "uniform"})

@@ -7,10 +7,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..options import LR_RULES, _choice, _positive
+from ..options import DEFAULT_LR_RULE, LR_RULES, _choice, _positive
 
 
-def ess_lr_scale(ess_ratio, rule: Optional[str] = "sqrt", base: float = 1.0):
+def ess_lr_scale(ess_ratio, rule: Optional[str] = DEFAULT_LR_RULE, base: float = 1.0):
     """lr multiplier min(1, ess_ratio / base) ** (1/2 | 1 | 0); a NaN ratio gives 0 (skip the step).
     Tensors stay tensors (no host sync); a float gives a float."""
     _choice("rule", rule, LR_RULES)

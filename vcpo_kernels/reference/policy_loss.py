@@ -121,11 +121,13 @@ def policy_loss(tokens: TokenBatch, seq: SequenceBatch, opts: PolicyLossOptions,
     coef = torch.where(rejected, 0, coef)
     lp = torch.where(counted, tokens.logp.to(cd), 0)  # masked tokens get an exact zero gradient
     # A unit the correction removed (c = 0) contributes exactly 0, even where r or A are not finite; so does a
-    # token outside the sampling support (lp = -inf) under a rule whose value is linear in lp.
+    # token outside the sampling support (lp = -inf) under a rule whose value is linear in lp. Its advantage is
+    # zeroed before autograd sees it: a NaN one would otherwise give a gradient of 0 * NaN.
     kept = counted & (coef != 0)
     if opts.trust_rule in LINEAR_IN_LOGP:
         kept &= lp != -torch.inf
-    p, on_clip = surrogate(lp, ratio_anchor(tokens, prox, opts), adv[ids], kept, ids, tokens.num_seqs, opts)
+    token_adv = torch.where(kept, adv[ids], 0)
+    p, on_clip = surrogate(lp, ratio_anchor(tokens, prox, opts), token_adv, kept, ids, tokens.num_seqs, opts)
     token_loss = torch.where(kept, coef * p, 0)
     a = aggregation_weights(length, opts, norm_length)
     loss = (a * segment_sum(token_loss, ids, tokens.num_seqs)).sum()
