@@ -77,7 +77,7 @@ def _train(args: argparse.Namespace, argv: list) -> int:
         cfg = resume_config(resume, **settings)
     else:
         cfg = make_config(load_file(config_file) if config_file else None, **settings)
-    from .errors import CLI_ERRORS
+    from .errors import CLI_ERRORS, RunStopped
     from .placement.ranks import launch_ranks, launched_ranks
     from .process_guard import guard
     from .ray_launch import train_on_ray
@@ -92,6 +92,9 @@ def _train(args: argparse.Namespace, argv: list) -> int:
     except CLI_ERRORS as e:
         print(f"vcpo train: error: {e}", file=sys.stderr)
         return 1
+    except RunStopped as stop:  # before the steps (during them a first signal checkpoints and ends the run)
+        print(f"vcpo train: stopped by {stop}", file=sys.stderr)
+        return 128 + stop.signum  # the shell's code for a process a signal ended
     if summary is None:  # a trainer rank > 0: rank 0 reports the run
         return 0
     final = summary["final_eval"]
@@ -124,7 +127,7 @@ def _eval_parser(sub) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from .errors import CLI_ERRORS
+    from .errors import CLI_ERRORS, RunStopped
     from .evaluate import run_eval
 
     try:

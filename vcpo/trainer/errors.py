@@ -1,6 +1,8 @@
 """The errors a run ends with that are not bugs: `vcpo train` and `vcpo eval` print them as `error: ...` and exit 1
 (CLI_ERRORS). Each message says what happened and how to go on (most often: fix X, then `vcpo train --resume`)."""
 
+import signal
+
 # defined in rewards.py: a reward worker process loads that file alone, outside this package
 from .rewards import RewardError
 
@@ -28,6 +30,16 @@ class NonFiniteError(RuntimeError):
 
 class TrainerRankDied(RuntimeError):
     """A trainer rank's Ray actor died (killed, out of memory, its node lost)."""
+
+
+class RunStopped(BaseException):
+    """A signal's immediate stop (see Interrupt). Not KeyboardInterrupt: vLLM's engine start-up swallows that (its
+    `zmq_socket_ctx` catches it), which left a run stopped during start-up running on, or, when the same signal
+    ended the engine, waiting 10 minutes for it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 CLI_ERRORS = (EngineUnavailable, WeightSyncError, ServerStartError, RewardError, CheckpointError, NonFiniteError,

@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from .errors import RunStopped
 from .rollouts import GeneratedBatch
 
 
@@ -64,9 +65,9 @@ class Clock:
 class Interrupt:
     """Ctrl-C (SIGINT) and SIGTERM (a scheduler's stop, `kill`): during the steps, the first one lets the current
     step finish (its batch is consumed and its weights are the checkpoint's), then the run checkpoints, aborts the
-    generation in flight and exits; before them (loading, engine start-up) or the second time,
-    KeyboardInterrupt at once, which still stops the servers and engine this run started. A signal within
-    REPEAT_S of the first is the same stop (the terminal and a launcher such as torchrun both deliver it)."""
+    generation in flight and exits; before them (loading, engine start-up) or the second time, RunStopped at
+    once, which still stops the servers and engine this run started. A signal within REPEAT_S of the first is the
+    same stop (the terminal and a launcher such as torchrun both deliver it)."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
     REPEAT_S = 2.0
@@ -88,7 +89,7 @@ class Interrupt:
             return
         if self.during_steps and time.monotonic() - self._first < self.REPEAT_S:
             return
-        raise KeyboardInterrupt(signal.Signals(signum).name)
+        raise RunStopped(signum)
 
     def __exit__(self, *exc) -> None:
         for s, previous in self._previous.items():
