@@ -127,7 +127,7 @@ def _eval_parser(sub) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from .errors import CLI_ERRORS, RunStopped
+    from .errors import CLI_ERRORS
     from .evaluate import run_eval
 
     try:

@@ -33,9 +33,9 @@ class TrainerRankDied(RuntimeError):
 
 
 class RunStopped(BaseException):
-    """A signal's immediate stop (see Interrupt). Not KeyboardInterrupt: vLLM's engine start-up swallows that (its
-    `zmq_socket_ctx` catches it), which left a run stopped during start-up running on, or, when the same signal
-    ended the engine, waiting 10 minutes for it."""
+    """A signal's immediate stop (loop_state.Interrupt): `vcpo train` exits 128 + the signal's number, not 1. Not
+    KeyboardInterrupt: vLLM's engine start-up swallows that (its `zmq_socket_ctx` catches it), which left a run
+    stopped during start-up running on, or, when the same signal ended the engine, waiting 10 minutes for it."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
