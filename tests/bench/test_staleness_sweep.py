@@ -91,7 +91,7 @@ def test_plan_runs_vcpo_before_its_controls_seed_by_seed():
                                       ("vcpo", "seq-tis@vcpo-lr", "vcpo-no-ess@vcpo-lr")]
 
 
-def fake_train(calls, steps, lr_scale=0.5):
+def fake_train(calls, steps, lr_scale=0.5, spread=0.01):
     """Stands in for `vcpo train`: writes the run folder a finished run leaves."""
     def call(cmd, **kwargs):
         argv = cmd[cmd.index("train") + 1:]
@@ -108,7 +108,7 @@ def fake_train(calls, steps, lr_scale=0.5):
         with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
             for t in range(steps):
                 f.write(json.dumps({"reward": t / steps, "ess_ratio": 0.9, "lag": t % 3,
-                                    "lr_scale": lr_scale + 0.01 * (t % 3), "wall_seconds": 0.05 * (t + 1)}) + "\n")
+                                    "lr_scale": lr_scale + spread * (t % 3), "wall_seconds": 0.05 * (t + 1)}) + "\n")
         os.makedirs(os.path.join(folder, "checkpoints", f"step-{steps:06d}"), exist_ok=True)
         with open(os.path.join(folder, "summary.json"), "w") as f:
             json.dump({"interrupted": False, "steps": steps, "wall_seconds": 1.0,
@@ -186,6 +186,28 @@ def test_summaries_carry_the_facts_and_outlive_the_run_folders(tmp_path, monkeyp
     assert calls == []  # nothing runs again
     sweep.report(args)
     assert json.load(open(tmp_path / "sweep.json"))["cells"]
+
+
+def test_a_run_that_only_changes_an_unused_lr_rule_is_not_run_again(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(sweep.subprocess, "call", fake_train(calls, steps=20, lr_scale=1.0, spread=0.0))
+    exact = ["--exact-staleness", "--eval-size", "100"]
+    pair = ["vcpo", "vcpo-lr-linear", "vcpo-loo-linear"]
+    run_sweep(args_for(tmp_path, rules=pair, ks=[0, 4], seeds=[0], control_ks=[], train_args=exact))
+    ran = [os.path.basename(argv[argv.index("--output-dir") + 1]) for argv in calls]
+    # at k = 0 the linear rule repeats vcpo's run; loo-linear is another loss; at k = 4 the lr scale can differ
+    assert ran == ["vcpo-k0-s0", "vcpo-loo-linear-k0-s0", "vcpo-k4-s0", "vcpo-lr-linear-k4-s0", "vcpo-loo-linear-k4-s0"]
+    twin = json.load(open(tmp_path / "summaries" / "vcpo-lr-linear-k0-s0.json"))
+    original = json.load(open(tmp_path / "summaries" / "vcpo-k0-s0.json"))
+    assert twin.pop("same_run_as") == "vcpo-k0-s0" and twin.pop("rule") == "vcpo-lr-linear"
+    assert twin == {key: value for key, value in original.items() if key != "rule"}
+
+    for train_args, lr_scale in ((exact, 0.5), (["--eval-size", "100"], 1.0)):  # a scale below 1, or lags below k
+        calls.clear()
+        shutil.rmtree(tmp_path)
+        monkeypatch.setattr(sweep.subprocess, "call", fake_train(calls, steps=20, lr_scale=lr_scale, spread=0.0))
+        run_sweep(args_for(tmp_path, rules=pair[:2], ks=[0], seeds=[0], control_ks=[], train_args=train_args))
+        assert len(calls) == 2
 
 
 def test_a_summary_with_other_settings_is_refused_naming_it(tmp_path, monkeypatch):

@@ -1,5 +1,6 @@
 """`vcpo train --ray` on a local Ray cluster (real Ray, 2 gloo trainer ranks as Ray actors): a trainer actor killed
-mid-run ends the run with an error naming it and leaves nothing running (rank 0's vLLM engine processes included);
+mid-run ends the run with an error naming it and leaves nothing running (rank 0's vLLM engine processes included),
+as does a SIGTERM during the engine's start-up, with the signal's exit code;
 `--resume --ray` with a vLLM server in a Ray actor continues from the last checkpoint, and a SIGTERM to the driver
 then checkpoints and ends the run cleanly, again with nothing left running (the server included)."""
 
@@ -91,15 +92,31 @@ class Run:
 
 
 @pytest.mark.slow
-def test_killed_rank_actor_then_resume_and_sigterm_leave_nothing_running(tmp_path):
+def test_stopped_start_up_killed_rank_actor_then_resume_and_sigterm_leave_nothing_running(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     folder = tmp_path / "run"
     runs = []
     try:
+        _stopped_during_start_up(tmp_path / "stopped", env, tmp_path, runs)
         _killed_then_resumed(folder, env, tmp_path, runs)
     finally:
         for run in runs:
             run.close()
+
+
+def _stopped_during_start_up(folder, env, tmp_path, runs):
+    """A SIGTERM while rank 0 starts its engine: the run stops at once with the signal's exit code (the rank's stop
+    is returned to the driver, not taken by Ray for the actor's death) and leaves nothing running."""
+    run = Run(["--ray", "--engine", "process", "--trainer-ranks", "2", *COMMON, "--output-dir", str(folder)], env,
+              tmp_path / "start-up.log")
+    runs.append(run)
+    run.wait_for(lambda: "ray: trainer rank 1: pid" in run.output(), "the rank actors")
+    time.sleep(3)
+    assert "started in" not in run.output()  # still before the steps: the engine has not started
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.finish(timeout=60) == 128 + signal.SIGTERM, run.output()[-6000:]
+    assert "vcpo train: stopped by SIGTERM" in run.output() and "died" not in run.output()
+    run.assert_nothing_left()
 
 
 def _killed_then_resumed(folder, env, tmp_path, runs):

@@ -41,6 +41,9 @@ class RunStopped(BaseException):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
 
+    def __reduce__(self):  # rebuilt from its signal's number (a Ray rank actor returns it to the driver)
+        return RunStopped, (self.signum,)
+
 
 CLI_ERRORS = (EngineUnavailable, WeightSyncError, ServerStartError, RewardError, CheckpointError, NonFiniteError,
               TrainerRankDied)

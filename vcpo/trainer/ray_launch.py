@@ -16,11 +16,11 @@ import signal
 import socket
 import sys
 import time
-from typing import Optional
+from typing import Optional, Union
 
 from .config import TrainConfig
 from .engines.ray_servers import bundle_options, bundle_shape
-from .errors import TrainerRankDied
+from .errors import RunStopped, TrainerRankDied
 from .net import free_port
 from .placement.devices import local_server_count
 from .run import train
@@ -43,9 +43,12 @@ class _Rank:
 
         return free_port(ray.util.get_node_ip_address())
 
-    def train(self, cfg: TrainConfig, resume: bool, env: dict) -> Optional[dict]:
+    def train(self, cfg: TrainConfig, resume: bool, env: dict) -> Union[dict, RunStopped, None]:
         os.environ.update(env)
-        return train(cfg, resume=resume, progress=False)
+        try:
+            return train(cfg, resume=resume, progress=False)
+        except RunStopped as stop:  # returned, not raised: Ray takes a BaseException for its actor's death
+            return stop
 
 
 def _connect(cfg: TrainConfig, bundles: int) -> None:
@@ -108,7 +111,8 @@ def train_on_ray(cfg: TrainConfig, resume: bool, log=print) -> Optional[dict]:
 
 def _wait(runs: dict, places: list, cfg: TrainConfig) -> Optional[dict]:
     """Rank 0's summary once every rank returned. A Ctrl-C or SIGTERM here goes to rank 0 (which finishes its step,
-    checkpoints and stops the others); a second one, or no end within STOP_GRACE_S, ends the ranks at once. A rank
+    checkpoints and stops the others); a second one, or no end within STOP_GRACE_S, ends the ranks at once; a rank
+    stopped before its steps (RunStopped: rank 0 during its engine's start-up) ends the run at once. A rank
     that failed or died: the others get FAILED_GRACE_S to end (rank 0 tells them to stop; a dead peer fails rank 0's
     collectives), then the error, naming a dead actor first (the others' errors follow from it)."""
     import ray
@@ -132,6 +136,8 @@ def _wait(runs: dict, places: list, cfg: TrainConfig) -> Optional[dict]:
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
                 failed.append((runs[ref], e))
                 continue
+            if isinstance(result, RunStopped):  # the others wait for it at their start-up: the caller ends them
+                raise result
             if runs[ref] == 0:
                 summary = result
         if failed and not done:
