@@ -72,7 +72,7 @@ def markdown(table: dict, seeds: list[int]) -> str:
     ks = sorted({k for _, k, _ in table})
     head = " | ".join(f"k={k} lr={lr:g}" for k in ks for lr in lrs)
     lines = [f"seeds {','.join(map(str, seeds))}: mean final held-out accuracy (a collapse counts 0), collapses",
-             "", f"| rule | {head} | worst |", "|---|" + "---|" * (len(ks) * len(lrs) + 1)]
+             "", f"| rule | {head} | worst | collapses |", "|---|" + "---|" * (len(ks) * len(lrs) + 2)]
     ranked = {rule: (worst, cell) for rule, worst, cell in ranking(table, seeds)}
     for rule in sorted({r for r, _, _ in table}, key=lambda r: -ranked.get(r, (-1.0,))[0]):
         row = []
@@ -84,7 +84,8 @@ def markdown(table: dict, seeds: list[int]) -> str:
                     f" [{c['seeds']} seeds]" if c["seeds"] != len(seeds) else ""))
         worst = f"{ranked[rule][0]:.3f} at k={ranked[rule][1][0]} lr={ranked[rule][1][1]:g}" if rule in ranked \
             else "incomplete"
-        lines.append(f"| {rule} | " + " | ".join(row) + f" | {worst} |")
+        collapses = sum(c["collapses"] for (r, _, _), c in table.items() if r == rule)  # the protocol's tie-break
+        lines.append(f"| {rule} | " + " | ".join(row) + f" | {worst} | {collapses} |")
     return "\n".join(lines)
 
 

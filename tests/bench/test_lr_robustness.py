@@ -63,3 +63,9 @@ def test_worst_cell_ranking_against_a_plain_loop(tmp_path):
     assert all(acc == worst[r] for r, acc, _ in ranked)
     text = lr_robustness.markdown(table, list(SEEDS))
     assert "| seq-tis |" in text and "incomplete" in text and "[2 seeds]" in text
+    for rule in RULES:  # the last column: every collapse of the rule over the grid, on the seeds asked for
+        line = next(line for line in text.splitlines() if line.startswith(f"| {rule} |"))
+        fell = sum(r["collapsed_at"] is not None or (max(e[2] for e in r["evals"]) >= 0.1 and
+                                                     r["final_accuracy"] < max(e[2] for e in r["evals"]) / 2)
+                   for r in rows if r["rule"] == rule and r["seed"] in SEEDS)
+        assert line.rstrip(" |").rsplit("| ", 1)[1] == str(fell)
