@@ -43,11 +43,14 @@ from typing import Optional
 from vcpo.trainer.plot import read_metrics, rolling_mean
 from vcpo.trainer.run_folder import committed_checkpoints
 
+# The square-root lr rule, pinned in every ESS-scaled rule that names no other: a rule's name is one computation
+# whatever `vcpo train`'s default lr rule is (its summaries from before a change of the default stay comparable).
+SQRT = ["--lr-rule", "sqrt"]
 # rule name -> `vcpo train` arguments; the loss presets are vcpo.trainer.config.LOSS_PRESETS
 RULES = {
-    "vcpo": ["--loss", "vcpo"],
+    "vcpo": ["--loss", "vcpo", *SQRT],
     "vcpo-no-ess": ["--loss", "vcpo", "--no-ess-scaling"],
-    "vcpo-no-opob": ["--loss", "vcpo", "--no-opob"],
+    "vcpo-no-opob": ["--loss", "vcpo", "--no-opob", *SQRT],
     "seq-tis": ["--loss", "seq-tis"],
     "grpo": ["--loss", "grpo"],
     "token-tis": ["--loss", "token-tis"],
@@ -56,18 +59,18 @@ RULES = {
 }
 # VCPO with another OPOB weight or aggregation (VCPOConfig's options): measured on request, not in the default grid
 OPOB_VARIANTS = {
-    "vcpo-opob-truncated": ["--loss", "vcpo", "--opob-truncated-weights", "true"],
-    "vcpo-opob-median": ["--loss", "vcpo", "--opob-aggregation", "median"],
-    "vcpo-loo": ["--loss", "vcpo", "--opob-leave-one-out", "true"],  # each sequence's baseline without itself
+    "vcpo-opob-truncated": ["--loss", "vcpo", "--opob-truncated-weights", "true", *SQRT],
+    "vcpo-opob-median": ["--loss", "vcpo", "--opob-aggregation", "median", *SQRT],
+    "vcpo-loo": ["--loss", "vcpo", "--opob-leave-one-out", "true", *SQRT],  # each sequence's baseline without itself
 }
 # VCPO with one part of its lr rule or its truncation changed (the k = 16 ablation in bench/RESULTS.md): on request
 ABLATIONS = {
-    "vcpo-ess-corrected": ["--loss", "vcpo", "--ess-on-corrected", "true"],  # the ESS of the truncated weights
-    "vcpo-ess-base-0.5": ["--loss", "vcpo", "--ess-base-ratio", "0.5"],  # full lr down to an ESS ratio of 0.5
+    "vcpo-ess-corrected": ["--loss", "vcpo", "--ess-on-corrected", "true", *SQRT],  # the ESS of the truncated weights
+    "vcpo-ess-base-0.5": ["--loss", "vcpo", "--ess-base-ratio", "0.5", *SQRT],  # full lr down to an ESS ratio of 0.5
     "vcpo-lr-linear": ["--loss", "vcpo", "--lr-rule", "linear"],
-    "vcpo-c4": ["--loss", "vcpo", "--is-threshold", "4"],  # truncation at C = 4 instead of 8
-    "vcpo-lr-ema-0.9": ["--loss", "vcpo", "--lr-scale-ema", "0.9"],  # the lr scale averaged over about 20 steps
-    "ppo-ess": ["--loss", "ppo", "--ess-scaling"],  # PPO's clipped loss with VCPO's ESS-scaled step
+    "vcpo-c4": ["--loss", "vcpo", "--is-threshold", "4", *SQRT],  # truncation at C = 4 instead of 8
+    "vcpo-lr-ema-0.9": ["--loss", "vcpo", "--lr-scale-ema", "0.9", *SQRT],  # the lr scale averaged over about 20 steps
+    "ppo-ess": ["--loss", "ppo", "--ess-scaling", *SQRT],  # PPO's clipped loss with VCPO's ESS-scaled step
     # the linear lr rule (the scale is the ESS ratio, not its square root) beside each variant: the protocol's grid
     "vcpo-loo-linear": ["--loss", "vcpo", "--opob-leave-one-out", "true", "--lr-rule", "linear"],
     "vcpo-no-opob-linear": ["--loss", "vcpo", "--no-opob", "--lr-rule", "linear"],
@@ -77,14 +80,14 @@ ABLATIONS = {
 PEERS = ("gspo", "gmpo", "cispo", "dppo", "sapo", "icepop", "m2po")
 ESS_TWIN = "-ess"  # suffix of a peer's rule with VCPO's ESS-scaled step: the report pairs it with the rule alone
 PEER_RULES = {**{rule: ["--loss", rule] for rule in PEERS},
-              **{rule + ESS_TWIN: ["--loss", rule, "--ess-scaling"] for rule in PEERS}}
+              **{rule + ESS_TWIN: ["--loss", rule, "--ess-scaling", *SQRT] for rule in PEERS}}
 # The rules above at a constant lr, the only schedule before 0eb50e8 (every summary of rule r at an older commit ran at
 # a constant lr); these with the lr decayed over the run, `vcpo train`'s default since
 # (bench/RESULTS.md, "The main job with a decaying lr").
 SCHEDULES = {
-    "vcpo-cosine": ["--loss", "vcpo", "--lr-schedule", "cosine"],  # cosine from lr to 0.1 x lr at the last step
+    "vcpo-cosine": ["--loss", "vcpo", *SQRT, "--lr-schedule", "cosine"],  # cosine from lr to 0.1 x lr at the last step
     "grpo-cosine": ["--loss", "grpo", "--lr-schedule", "cosine"],
-    "vcpo-no-opob-cosine": ["--loss", "vcpo", "--no-opob", "--lr-schedule", "cosine"],
+    "vcpo-no-opob-cosine": ["--loss", "vcpo", "--no-opob", *SQRT, "--lr-schedule", "cosine"],
 }
 GRID = list(RULES)
 RULES.update(OPOB_VARIANTS)

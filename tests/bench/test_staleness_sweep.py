@@ -350,6 +350,9 @@ def test_every_rule_is_the_loss_it_names(monkeypatch):
     assert vars(configs["vcpo-no-opob-cosine"]) == vars(configs["vcpo-no-opob"])
     assert {r: s for r, s in schedules.items() if s != "constant"} == dict.fromkeys(sweep.SCHEDULES, "cosine")
     assert base["advantage"] == "opob" and base["lr_rule"] == "sqrt" and base["is_threshold"] == 8.0
+    # every ESS-scaled rule is the square root unless its name says linear, whatever vcpo train's default
+    assert {r: c.lr_rule for r, c in configs.items() if c.lr_rule is not None} == \
+        {r: "linear" if "linear" in r else "sqrt" for r in sweep.RULES if configs[r].lr_rule is not None}
     assert sweep.GRID == [r for r in sweep.RULES
                           if r not in {**sweep.OPOB_VARIANTS, **sweep.ABLATIONS, **sweep.SCHEDULES, **sweep.PEER_RULES}]
     for peer in sweep.PEERS:  # each alone at a constant lr, and with the square-root ESS-scaled step
