@@ -88,6 +88,7 @@ SCHEDULES = {
     "vcpo-cosine": ["--loss", "vcpo", *SQRT, "--lr-schedule", "cosine"],  # cosine from lr to 0.1 x lr at the last step
     "grpo-cosine": ["--loss", "grpo", "--lr-schedule", "cosine"],
     "vcpo-no-opob-cosine": ["--loss", "vcpo", "--no-opob", *SQRT, "--lr-schedule", "cosine"],
+    "vcpo-lr-linear-cosine": ["--loss", "vcpo", "--lr-rule", "linear", "--lr-schedule", "cosine"],
 }
 GRID = list(RULES)
 RULES.update(OPOB_VARIANTS)

@@ -348,6 +348,7 @@ def test_every_rule_is_the_loss_it_names(monkeypatch):
     assert changed["vcpo-lr-ema-0.9"] == {"lr_scale_ema": 0.9}
     assert changed["vcpo-cosine"] == {} and vars(configs["grpo-cosine"]) == vars(configs["grpo"])
     assert vars(configs["vcpo-no-opob-cosine"]) == vars(configs["vcpo-no-opob"])
+    assert vars(configs["vcpo-lr-linear-cosine"]) == vars(configs["vcpo-lr-linear"])
     assert {r: s for r, s in schedules.items() if s != "constant"} == dict.fromkeys(sweep.SCHEDULES, "cosine")
     assert base["advantage"] == "opob" and base["lr_rule"] == "sqrt" and base["is_threshold"] == 8.0
     # every ESS-scaled rule is the square root unless its name says linear, whatever vcpo train's default
