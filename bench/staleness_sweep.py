@@ -20,7 +20,8 @@ sweep has whole tables for its first seeds. Each finished run leaves its summary
 report needs, its curves and the commit that ran it), so a sweep outlives its run folders and grows across days
 and machines: a run with a summary is skipped, an unfinished one is resumed from its folder. Before each run the
 budget is checked against the median duration of the runs done so far. A run that would repeat a finished one step
-for step (k = 0 under `--exact-staleness`, rules that differ only in the lr rule: `lr_rule_twin`) is not run again:
+for step (k = 0 under `--exact-staleness`, rules that differ only in their ESS-scaled step: `step_rule_twin`) is not
+run again:
 its summary is that run's, naming it in `same_run_as`. The report (OUT/sweep.md, OUT/sweep.json,
 OUT/curves.png, OUT/accuracy.png) is written from the summaries alone. Definitions (collapse, the ESS lead time)
 are in `collapse_step` and `ess_lead`.
@@ -293,23 +294,26 @@ def write_summary(args, run: Run, summary: dict) -> None:
     os.replace(path + ".tmp", path)
 
 
-def without_lr_rule(argv: list[str]) -> list[str]:
+def without_step_rule(argv: list[str]) -> list[str]:
+    """The arguments but those of the ESS-scaled step: its switch and its lr rule."""
+    argv = [a for a in argv if a not in ("--ess-scaling", "--no-ess-scaling")]
     i = argv.index("--lr-rule") if "--lr-rule" in argv else len(argv)
     return argv[:i] + argv[i + 2:]
 
 
-def lr_rule_twin(args, run: Run) -> Optional[dict]:
+def step_rule_twin(args, run: Run) -> Optional[dict]:
     """The summary of a finished run that this run would repeat step for step, if there is one: the same k and seed,
-    a rule that differs from this run's only in its lr rule, and an lr scale of 1 at every step. At k = 0 under
-    `--exact-staleness` the samples are the trainer's own policy's, so the ESS ratio is 1 and every lr rule gives a
-    scale of 1 (the 3e-4 sweep's k = 0 runs of vcpo and vcpo-lr-linear matched step for step)."""
+    a rule that differs from this run's only in its ESS-scaled step (on or off, its lr rule), and an ESS ratio of 1
+    at every step. At k = 0 under `--exact-staleness` the samples are the trainer's own policy's, so the ESS ratio is
+    1, every lr rule gives a scale of 1 and the ESS-scaled step is the plain one (the 3e-4 sweep's k = 0 runs of vcpo
+    and vcpo-lr-linear matched step for step)."""
     if run.k != 0 or "--exact-staleness" not in args.train_args or run.rule.endswith(CONTROL):
         return None
-    mine = without_lr_rule(RULES[run.rule])
+    mine = without_step_rule(RULES[run.rule])
     for rule in RULES:
-        if rule != run.rule and without_lr_rule(RULES[rule]) == mine:
+        if rule != run.rule and without_step_rule(RULES[rule]) == mine:
             summary = read_summary(args, Run(rule, run.k, run.seed))
-            if summary is not None and "same_run_as" not in summary and set(summary["lr_scale"]) == {1.0}:
+            if summary is not None and "same_run_as" not in summary and set(summary["ess"]) == {1.0}:
                 return summary
     return None
 
@@ -347,11 +351,11 @@ def sweep(args, runs: list[Run]) -> None:
         if finished(folder, args.steps):  # finished, but stopped before its summary was written
             write_summary(args, run, summarize(folder, run, args, commit))
             continue
-        twin = lr_rule_twin(args, run)
+        twin = step_rule_twin(args, run)
         if twin is not None:
             same = Run(twin["rule"], run.k, run.seed).name
             write_summary(args, run, {**twin, "rule": run.rule, "same_run_as": same})
-            print(f"[{i}/{len(runs)}] {run.name}: the same run as {same} (an lr scale of 1 at every step)", flush=True)
+            print(f"[{i}/{len(runs)}] {run.name}: the same run as {same} (an ESS ratio of 1 at every step)", flush=True)
             continue
         spent = (time.monotonic() - t0) / 60
         expected = statistics.median(durations) / 60 if durations else 0.0

@@ -91,7 +91,7 @@ def test_plan_runs_vcpo_before_its_controls_seed_by_seed():
                                       ("vcpo", "seq-tis@vcpo-lr", "vcpo-no-ess@vcpo-lr")]
 
 
-def fake_train(calls, steps, lr_scale=0.5, spread=0.01):
+def fake_train(calls, steps, lr_scale=0.5, spread=0.01, ess=0.9):
     """Stands in for `vcpo train`: writes the run folder a finished run leaves."""
     def call(cmd, **kwargs):
         argv = cmd[cmd.index("train") + 1:]
@@ -107,7 +107,7 @@ def fake_train(calls, steps, lr_scale=0.5, spread=0.01):
                 json.dump(config, f)
         with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
             for t in range(steps):
-                f.write(json.dumps({"reward": t / steps, "ess_ratio": 0.9, "lag": t % 3,
+                f.write(json.dumps({"reward": t / steps, "ess_ratio": ess, "lag": t % 3,
                                     "lr_scale": lr_scale + spread * (t % 3), "wall_seconds": 0.05 * (t + 1)}) + "\n")
         os.makedirs(os.path.join(folder, "checkpoints", f"step-{steps:06d}"), exist_ok=True)
         with open(os.path.join(folder, "summary.json"), "w") as f:
@@ -188,26 +188,31 @@ def test_summaries_carry_the_facts_and_outlive_the_run_folders(tmp_path, monkeyp
     assert json.load(open(tmp_path / "sweep.json"))["cells"]
 
 
-def test_a_run_that_only_changes_an_unused_lr_rule_is_not_run_again(tmp_path, monkeypatch):
+def test_a_run_that_only_changes_an_unused_step_rule_is_not_run_again(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(sweep.subprocess, "call", fake_train(calls, steps=20, lr_scale=1.0, spread=0.0))
+    monkeypatch.setattr(sweep.subprocess, "call", fake_train(calls, steps=20, lr_scale=1.0, spread=0.0, ess=1.0))
     exact = ["--exact-staleness", "--eval-size", "100"]
-    pair = ["vcpo", "vcpo-lr-linear", "vcpo-loo-linear"]
-    run_sweep(args_for(tmp_path, rules=pair, ks=[0, 4], seeds=[0], control_ks=[], train_args=exact))
+    rules = ["vcpo", "vcpo-lr-linear", "vcpo-no-ess", "vcpo-loo-linear", "gspo", "gspo-ess"]
+    run_sweep(args_for(tmp_path, rules=rules, ks=[0, 4], seeds=[0], control_ks=[], train_args=exact))
     ran = [os.path.basename(argv[argv.index("--output-dir") + 1]) for argv in calls]
-    # at k = 0 the linear rule repeats vcpo's run; loo-linear is another loss; at k = 4 the lr scale can differ
-    assert ran == ["vcpo-k0-s0", "vcpo-loo-linear-k0-s0", "vcpo-k4-s0", "vcpo-lr-linear-k4-s0", "vcpo-loo-linear-k4-s0"]
-    twin = json.load(open(tmp_path / "summaries" / "vcpo-lr-linear-k0-s0.json"))
-    original = json.load(open(tmp_path / "summaries" / "vcpo-k0-s0.json"))
-    assert twin.pop("same_run_as") == "vcpo-k0-s0" and twin.pop("rule") == "vcpo-lr-linear"
-    assert twin == {key: value for key, value in original.items() if key != "rule"}
+    # at k = 0 the linear rule and the plain step repeat vcpo's run, the ESS-scaled GSPO repeats GSPO's; loo-linear
+    # is another loss; at k = 4 the lr scale can differ
+    assert ran == ["vcpo-k0-s0", "vcpo-loo-linear-k0-s0", "gspo-k0-s0",
+                   *[f"{rule}-k4-s0" for rule in rules]]
+    for rule, same in (("vcpo-lr-linear", "vcpo"), ("vcpo-no-ess", "vcpo"), ("gspo-ess", "gspo")):
+        twin = json.load(open(tmp_path / "summaries" / f"{rule}-k0-s0.json"))
+        original = json.load(open(tmp_path / "summaries" / f"{same}-k0-s0.json"))
+        assert twin.pop("same_run_as") == f"{same}-k0-s0" and twin.pop("rule") == rule
+        assert twin == {key: value for key, value in original.items() if key != "rule"}
 
-    for train_args, lr_scale in ((exact, 0.5), (["--eval-size", "100"], 1.0)):  # a scale below 1, or lags below k
+    for train_args, ess in ((exact, 0.5), (["--eval-size", "100"], 1.0)):  # an ESS ratio below 1, or lags below k
         calls.clear()
         shutil.rmtree(tmp_path)
-        monkeypatch.setattr(sweep.subprocess, "call", fake_train(calls, steps=20, lr_scale=lr_scale, spread=0.0))
-        run_sweep(args_for(tmp_path, rules=pair[:2], ks=[0], seeds=[0], control_ks=[], train_args=train_args))
-        assert len(calls) == 2
+        monkeypatch.setattr(sweep.subprocess, "call", fake_train(calls, steps=20, lr_scale=1.0, spread=0.0, ess=ess))
+        run_sweep(args_for(tmp_path, rules=["gspo", "gspo-ess"], ks=[0], seeds=[0], control_ks=[],
+                           train_args=train_args))
+        assert [argv[argv.index("--output-dir") + 1].endswith("gspo-ess-k0-s0") for argv in calls] == \
+            [False, False, True]  # vcpo (every plan's first), gspo, and gspo-ess run
 
 
 def test_a_summary_with_other_settings_is_refused_naming_it(tmp_path, monkeypatch):
