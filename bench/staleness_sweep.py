@@ -77,11 +77,12 @@ ABLATIONS = {
     "vcpo-no-opob-linear": ["--loss", "vcpo", "--no-opob", "--lr-rule", "linear"],
     "ppo-ess-linear": ["--loss", "ppo", "--ess-scaling", "--lr-rule", "linear"],
 }
-# The peers' stabilisers (vcpo train's presets), alone and with VCPO's ESS-scaled step: on request
+# The peers' stabilisers (vcpo train's presets), alone and with VCPO's ESS-scaled step under the linear rule (a
+# user's --ess-scaling since the default became linear): on request
 PEERS = ("gspo", "gmpo", "cispo", "dppo", "sapo", "icepop", "m2po")
 ESS_TWIN = "-ess"  # suffix of a peer's rule with VCPO's ESS-scaled step: the report pairs it with the rule alone
 PEER_RULES = {**{rule: ["--loss", rule] for rule in PEERS},
-              **{rule + ESS_TWIN: ["--loss", rule, "--ess-scaling", *SQRT] for rule in PEERS}}
+              **{rule + ESS_TWIN: ["--loss", rule, "--ess-scaling", "--lr-rule", "linear"] for rule in PEERS}}
 # The rules above at a constant lr, the only schedule before 0eb50e8 (every summary of rule r at an older commit ran at
 # a constant lr); these with the lr decayed over the run, `vcpo train`'s default since
 # (bench/RESULTS.md, "The main job with a decaying lr").

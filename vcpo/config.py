@@ -12,10 +12,11 @@ from vcpo_kernels.truncation import check_sampling
 
 @dataclass(frozen=True)
 class VCPOConfig(PolicyLossOptions):
-    """Defaults follow the paper's released runs: sequence-level truncated IS with C = 8, OPOB advantages
-    normalised by the group std with exact per-sequence gradient norms, ESS-scaled lr with the sqrt rule and
-    rho_base = 1, seq-mean-token-mean, PPO clipping off, gradient clipping at 1.0. The loss options are
-    documented in docs/contract.md; the step options below."""
+    """Defaults follow the paper's released runs (sequence-level truncated IS with C = 8, OPOB advantages normalised
+    by the group std with exact per-sequence gradient norms, ESS-scaled lr with rho_base = 1, seq-mean-token-mean,
+    PPO clipping off, gradient clipping at 1.0) but for the lr rule: linear, the paper's option, where its runs used
+    the square root (`lr_rule="sqrt"`; README, "Which update rule at a long lag"). The loss options are documented
+    in docs/contract.md; the step options below."""
 
     backend: str = "auto"
     # The update step (vcpo.step): what G_i in the OPOB weights is, how the gradient is formed, clipping.

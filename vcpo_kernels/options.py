@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 IS_LEVELS = {"sequence": 0, "token": 1, "geometric": 2}
 IS_CORRECTIONS = {"truncate": 0, "mask": 1, "none": 2}
 LR_RULES = {None: 0, "sqrt": 1, "linear": 2}
-DEFAULT_LR_RULE = "sqrt"  # the ESS-scaled step's rule wherever one is not named
+DEFAULT_LR_RULE = "linear"  # the ESS-scaled step's rule wherever one is not named (README, "Which update rule")
 ADVANTAGES = {"opob": 0, "grpo": 1, "rloo": 2, "reinforce": 3, "none": 4}
 GIVEN_ADVANTAGES = 5  # the kernels' code for advantages passed in by the caller
 OPOB_SCOPES = ("group", "batch")

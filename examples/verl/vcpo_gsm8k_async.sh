@@ -48,5 +48,5 @@ python -m verl.trainer.main_ppo \
     actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean \
     actor_rollout_ref.actor.optim.optimizer_impl=vcpo.integrations.verl \
     actor_rollout_ref.actor.optim.optimizer=VCPOAdamW \
-    'actor_rollout_ref.actor.optim.override_optimizer_config={lr_rule:sqrt,ess_base_ratio:1.0}' \
+    'actor_rollout_ref.actor.optim.override_optimizer_config={lr_rule:linear,ess_base_ratio:1.0}' \
     "$@"

@@ -19,7 +19,7 @@ def test_config_defaults_are_the_papers():
     assert (c.is_level, c.is_correction, c.is_threshold) == ("sequence", "truncate", 8.0)
     assert c.threshold_low == 1 / 8
     assert (c.advantage, c.norm_by_std, c.opob_scope) == ("opob", True, "group")
-    assert (c.lr_rule, c.ess_base_ratio, c.ess_on_corrected) == ("sqrt", 1.0, False)
+    assert (c.lr_rule, c.ess_base_ratio, c.ess_on_corrected) == ("linear", 1.0, False)
     assert (c.clip_ratio, c.clip_ratio_c, c.loss_agg_mode) == (None, None, "seq-mean-token-mean")
     assert not (c.opob_length_norm or c.opob_truncated_weights or c.reference_compat)
     assert c.backend == "auto"

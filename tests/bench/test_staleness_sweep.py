@@ -356,14 +356,16 @@ def test_every_rule_is_the_loss_it_names(monkeypatch):
     assert vars(configs["vcpo-lr-linear-cosine"]) == vars(configs["vcpo-lr-linear"])
     assert {r: s for r, s in schedules.items() if s != "constant"} == dict.fromkeys(sweep.SCHEDULES, "cosine")
     assert base["advantage"] == "opob" and base["lr_rule"] == "sqrt" and base["is_threshold"] == 8.0
-    # every ESS-scaled rule is the square root unless its name says linear, whatever vcpo train's default
+    # every ESS-scaled rule is the square root unless its name says linear or it is a peer's twin, whatever
+    # vcpo train's default
+    linear = {r for r in sweep.RULES if "linear" in r or (r in sweep.PEER_RULES and r.endswith(sweep.ESS_TWIN))}
     assert {r: c.lr_rule for r, c in configs.items() if c.lr_rule is not None} == \
-        {r: "linear" if "linear" in r else "sqrt" for r in sweep.RULES if configs[r].lr_rule is not None}
+        {r: "linear" if r in linear else "sqrt" for r in sweep.RULES if configs[r].lr_rule is not None}
     assert sweep.GRID == [r for r in sweep.RULES
                           if r not in {**sweep.OPOB_VARIANTS, **sweep.ABLATIONS, **sweep.SCHEDULES, **sweep.PEER_RULES}]
-    for peer in sweep.PEERS:  # each alone at a constant lr, and with the square-root ESS-scaled step
-        assert configs[peer].lr_rule is None and configs[f"{peer}-ess"].lr_rule == "sqrt"
+    for peer in sweep.PEERS:  # each alone at a constant lr, and with the linear ESS-scaled step
+        assert configs[peer].lr_rule is None and configs[f"{peer}-ess"].lr_rule == "linear"
         assert {k: v for k, v in vars(configs[f"{peer}-ess"]).items() if vars(configs[peer])[k] != v} == \
-            {"lr_rule": "sqrt"}
+            {"lr_rule": "linear"}
     assert configs["gspo"].trust_region == "gspo" and configs["dppo"].trust_region == "dppo_tv"
     assert configs["icepop"].rejection == (("token_k1", 0.5, 5.0),)

@@ -140,7 +140,8 @@ def reference(policy, out, config):
     # The ESS and lr scale from their definitions: w_i = exp(sum_t log pi - log mu), rho = (sum w)^2 / (B sum w^2).
     w = torch.where(mask, logp - behaviour, 0).sum(1).exp()
     rho = w.sum() ** 2 / (b * (w ** 2).sum())
-    return res, float(rho), math.sqrt(min(1.0, float(rho)))
+    x = min(1.0, float(rho))
+    return res, float(rho), {"sqrt": math.sqrt(x), "linear": x, None: 1.0}[config.lr_rule]
 
 
 @pytest.mark.parametrize("grad_norms", ["exact", "lm_head", "length"])

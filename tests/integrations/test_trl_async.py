@@ -7,7 +7,6 @@ float64 references on the unpacked samples, and against TRL's own loss. One opt-
 runs TRL's own rollout worker against a CPU vLLM server instead of the first two."""
 
 import copy
-import math
 import os
 import queue
 
@@ -214,7 +213,7 @@ def reference(policy, rows, config):
 def test_trains_and_matches_policy_loss(tokenizer, model_dir, monkeypatch):
     """Two optimizer steps of two micro-batches of two whole prompt groups each, off-policy samples: each micro-batch's
     loss, OPOB baselines and ESS against float64 vcpo.policy_loss on its unpacked samples; each step's lr is the
-    base lr times the sqrt lr scale of the ESS of its 16 sequences, restored after the step."""
+    base lr times the (linear, the default) lr scale of the ESS of its 16 sequences, restored after the step."""
     path, model = model_dir
     samples = make_samples(tokenizer, perturbed(model), num_groups=12)  # 8, and the micro-batch accelerate prefetches
     trainer = make(VCPOAsyncGRPOTrainer, path, tokenizer, samples)
@@ -254,7 +253,7 @@ def test_trains_and_matches_policy_loss(tokenizer, model_dir, monkeypatch):
         rho = float(w.sum() ** 2 / (len(w) * (w ** 2).sum()))
         assert 0.05 < rho < 0.95  # off-policy: the lr scale is not the trivial 1
         assert log["vcpo/ess_ratio"] == pytest.approx(rho, rel=1e-4)
-        assert scaled == pytest.approx(base * math.sqrt(min(1.0, rho)), rel=1e-4) and after == base
+        assert scaled == pytest.approx(base * min(1.0, rho), rel=1e-4) and after == base
 
 
 class _Steps(TrainerCallback):
@@ -421,7 +420,7 @@ def test_real_rollout_worker_and_vllm_server(tokenizer, tmp_path, monkeypatch):
     assert logs[0]["vcpo/ess_ratio"] == pytest.approx(1.0, abs=1e-4)  # vLLM's log-probs of the synced weights
     assert logs[-1]["sample/staleness_mean"] >= 1 and logs[-1]["vcpo/ess_ratio"] < 0.99
     for log, scaled, base, after in zip(logs, lr.scaled, lr.base, lr.after):
-        assert scaled == pytest.approx(base * math.sqrt(min(1.0, log["vcpo/ess_ratio"])), rel=1e-6) and after == base
+        assert scaled == pytest.approx(base * min(1.0, log["vcpo/ess_ratio"]), rel=1e-6) and after == base
     assert len(calls) == 6
     for (loss, policy), micro_batch in zip(calls, rows):
         assert len({s["group_id"] for s in micro_batch}) == 2  # whole groups from TRL's own batcher

@@ -259,7 +259,7 @@ def test_the_documented_switch_composes_in_verls_own_config():
     from verl.utils.config import omega_conf_to_dataclass
 
     overrides = switch_overrides()
-    assert len(overrides) == 9 and any(o.endswith("override_optimizer_config={lr_rule:sqrt,ess_base_ratio:1.0}")
+    assert len(overrides) == 9 and any(o.endswith("override_optimizer_config={lr_rule:linear,ess_base_ratio:1.0}")
                                        for o in overrides)
     with initialize_config_dir(config_dir=str(Path(verl.__file__).parent / "trainer" / "config"), version_base=None):
         cfg = compose(config_name="ppo_trainer", overrides=overrides + [
@@ -271,16 +271,16 @@ def test_the_documented_switch_composes_in_verls_own_config():
         "sequence", "truncate", 8.0, "seq-mean-token-mean")
     optim = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor.optim)
     opt = build_optimizer([torch.nn.Parameter(torch.zeros(2))], optim)
-    assert type(opt) is vv.VCPOAdamW and opt.lr_rule == "sqrt" and opt.ess_base_ratio == 1.0
+    assert type(opt) is vv.VCPOAdamW and opt.lr_rule == "linear" and opt.ess_base_ratio == 1.0
 
 
 def test_verl_builds_the_optimizer_from_its_config():
     """actor.optim as a user writes it, through verl's own build_optimizer (the FSDP engines' path)."""
     config = FSDPOptimizerConfig(optimizer="VCPOAdamW", optimizer_impl="vcpo.integrations.verl", lr=0.1,
-                                 weight_decay=0.01, override_optimizer_config={"lr_rule": "linear",
+                                 weight_decay=0.01, override_optimizer_config={"lr_rule": "sqrt",
                                                                               "ess_base_ratio": 0.5})
     opt = build_optimizer([torch.nn.Parameter(torch.zeros(2))], config)
-    assert type(opt) is vv.VCPOAdamW and (opt.lr_rule, opt.ess_base_ratio) == ("linear", 0.5)
+    assert type(opt) is vv.VCPOAdamW and (opt.lr_rule, opt.ess_base_ratio) == ("sqrt", 0.5)
     assert opt.defaults["lr"] == 0.1 and opt.defaults["weight_decay"] == 0.01 and opt.defaults["betas"] == (0.9, 0.999)
 
 

@@ -102,16 +102,16 @@ def test_presets_and_switches():
         make_config(loss=name).vcpo_config()  # every preset is a valid VCPOConfig
     default = make_config().vcpo_config()
     assert (default.is_level, default.is_correction, default.is_threshold) == ("sequence", "truncate", 8.0)
-    assert (default.advantage, default.grad_norms, default.lr_rule) == ("opob", "exact", "sqrt")
+    assert (default.advantage, default.grad_norms, default.lr_rule) == ("opob", "exact", "linear")
     grpo = make_config(loss="grpo").vcpo_config()
     assert (grpo.is_correction, grpo.advantage, grpo.lr_rule) == ("none", "grpo", None)
     both = make_config(loss="token-tis", ess_scaling=True, opob=True).vcpo_config()
-    assert (both.is_level, both.lr_rule, both.advantage, both.grad_norms) == ("token", "sqrt", "opob", "exact")
+    assert (both.is_level, both.lr_rule, both.advantage, both.grad_norms) == ("token", "linear", "opob", "exact")
     off = make_config(ess_scaling=False, opob=False, vcpo={"is_threshold": 4.0}).vcpo_config()
     assert (off.lr_rule, off.advantage, off.is_threshold) == (None, "grpo", 4.0)
     assert make_config(loss="ppo").vcpo_config().clip_ratio == (0.2, 0.28)
     gspo = make_config(loss="gspo", ess_scaling=True, opob=True).vcpo_config()  # a peer's rule with VCPO's parts
-    assert (gspo.trust_rule, gspo.is_correction, gspo.lr_rule, gspo.advantage) == ("gspo", "none", "sqrt", "opob")
+    assert (gspo.trust_rule, gspo.is_correction, gspo.lr_rule, gspo.advantage) == ("gspo", "none", "linear", "opob")
     with pytest.raises(ValueError, match="is_correction truncate would weight each unit a second time"):
         make_config(vcpo={"trust_region": "cispo", "clip_ratio": [1.0, 0.2]})  # the vcpo preset truncates
     masked = make_config(vcpo={"trust_region": "cispo", "clip_ratio": [1.0, 0.2], "is_correction": "mask"})
