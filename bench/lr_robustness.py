@@ -9,10 +9,15 @@ held-out accuracy is below half its best held-out accuracy, once that was at lea
 evaluations, too late for the reward's trailing window). A rule missing a cell is not ranked (its worst case is
 unknown).
 
+`--pairs` adds, at each (k, base lr), paired by seed with the same collapse-as-0 values: the best rule (the highest
+cell with every seed) minus each other rule, and each peer's rule with the ESS-scaled step minus the rule alone
+(bench/RESULTS.md, "Protocol: the peers' stabilisers at long lags").
+
     .venv/bin/python bench/staleness_sweep.py --lr 1.5e-4 --summaries bench/results/sweep_lr1.5e-4 --ks 16 \\
         --seeds 0,1,2,3,4 --steps 400 --rules vcpo,vcpo-lr-linear -- --exact-staleness
     .venv/bin/python bench/lr_robustness.py bench/results/sweep_lr3e-4 bench/results/sweep_lr1.5e-4 \\
         bench/results/sweep_lr7.5e-5 --seeds 0,1,2,3,4 --ks 16,64
+    .venv/bin/python bench/lr_robustness.py bench/results/sweep_lr1.5e-4 --pairs   # the peers' comparison
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import glob
 import json
 import os
 import statistics
+
+from staleness_sweep import ESS_TWIN, mean_ci
 
 
 def read_summaries(folders: list[str]) -> list[dict]:
@@ -42,15 +49,46 @@ def collapsed(summary: dict) -> bool:
     return summary["collapsed_at"] is not None or (best >= 0.1 and summary["final_accuracy"] < best / 2)
 
 
-def cells(summaries: list[dict], seeds: list[int], ks: list[int]) -> dict:
-    """(rule, k, base_lr) -> {"accuracy": mean over the seeds (a collapse counts 0), "collapses", "seeds"}."""
-    runs: dict = {}
+def run_values(summaries: list[dict], seeds: list[int], ks: list[int]) -> dict:
+    """(rule, k, base_lr) -> {seed: (the final held-out accuracy, 0 for a collapse; collapsed)}."""
+    values: dict = {}
     for s in summaries:
         if s["seed"] in seeds and s["k"] in ks:
-            runs.setdefault((s["rule"], s["k"], s["base_lr"]), []).append(s)
-    return {key: {"accuracy": statistics.fmean(0.0 if collapsed(r) else r["final_accuracy"] for r in rs),
-                  "collapses": sum(map(collapsed, rs)), "seeds": len(rs)}
-            for key, rs in runs.items()}
+            fell = collapsed(s)
+            values.setdefault((s["rule"], s["k"], s["base_lr"]), {})[s["seed"]] = \
+                (0.0 if fell else s["final_accuracy"], fell)
+    return values
+
+
+def cells(summaries: list[dict], seeds: list[int], ks: list[int]) -> dict:
+    """(rule, k, base_lr) -> {"accuracy": mean over the seeds (a collapse counts 0), "collapses", "seeds"}."""
+    return {key: {"accuracy": statistics.fmean(v for v, _ in runs.values()),
+                  "collapses": sum(fell for _, fell in runs.values()), "seeds": len(runs)}
+            for key, runs in run_values(summaries, seeds, ks).items()}
+
+
+def paired(summaries: list[dict], seeds: list[int], ks: list[int]) -> list[dict]:
+    """At each (k, base lr), over the seeds both ran: the best rule (the highest cell among those with every seed)
+    minus each other rule, and each rule with the ESS-scaled step (`<rule>-ess`) minus the rule alone. The mean
+    difference (a collapse counting 0), the half-width of its 95% interval and the seeds with the first ahead."""
+    values = run_values(summaries, seeds, ks)
+    rows = []
+    for k, lr in sorted({(k, lr) for _, k, lr in values}, key=lambda c: (c[0], -c[1])):
+        here = {rule: runs for (rule, k2, lr2), runs in values.items() if (k2, lr2) == (k, lr)}
+        complete = [rule for rule, runs in here.items() if len(runs) == len(seeds)]
+        best = max(sorted(complete), key=lambda rule: statistics.fmean(v for v, _ in here[rule].values()),
+                   default=None)
+        pairs = [] if best is None else [(best, rule) for rule in sorted(here) if rule != best]
+        pairs += [(rule, rule.removesuffix(ESS_TWIN)) for rule in sorted(here)
+                  if rule.endswith(ESS_TWIN) and rule.removesuffix(ESS_TWIN) in here]
+        for first, second in pairs:
+            diffs = [here[first][seed][0] - here[second][seed][0]
+                     for seed in sorted(here[first]) if seed in here[second]]
+            mean, _, half = mean_ci(diffs)
+            rows.append({"k": k, "base_lr": lr, "first": first, "second": second, "seeds": len(diffs),
+                         "diff": mean, "ci95": half, "first_ahead": sum(d > 0 for d in diffs),
+                         "best": first == best})
+    return rows
 
 
 def ranking(table: dict, seeds: list[int]) -> list[tuple[str, float, tuple]]:
@@ -89,6 +127,18 @@ def markdown(table: dict, seeds: list[int]) -> str:
     return "\n".join(lines)
 
 
+def pairs_markdown(rows: list[dict]) -> str:
+    lines = ["Paired by seed (a collapse counts 0): the best rule at each k and lr minus each other rule, and each "
+             "rule with the ESS-scaled step minus the rule alone", "",
+             "| k | lr | first | second | seeds | first - second (mean +- 95% CI) | seeds with the first ahead |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ci = "" if r["ci95"] != r["ci95"] else f" +- {r['ci95']:.3f}"  # NaN: one seed
+        lines.append(f"| {r['k']} | {r['base_lr']:g} | {r['first']}{' (best)' if r['best'] else ''} | {r['second']} | "
+                     f"{r['seeds']} | {r['diff']:+.3f}{ci} | {r['first_ahead']} of {r['seeds']} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     def ints(text: str) -> list[int]:
         return [int(v) for v in text.split(",") if v.strip()]
@@ -97,11 +147,17 @@ def main() -> None:
     p.add_argument("folders", nargs="+", help="summary folders of the sweep, one per base lr")
     p.add_argument("--seeds", type=ints, default=[0, 1, 2, 3, 4])
     p.add_argument("--ks", type=ints, default=[0, 4, 16, 64])
+    p.add_argument("--rules", type=lambda t: [r for r in t.split(",") if r.strip()],
+                   help="only these rules (default: every rule with a summary)")
+    p.add_argument("--pairs", action="store_true", help="also the paired differences at each k and lr")
     args = p.parse_args()
-    table = cells(read_summaries(args.folders), args.seeds, args.ks)
+    summaries = [s for s in read_summaries(args.folders) if args.rules is None or s["rule"] in args.rules]
+    table = cells(summaries, args.seeds, args.ks)
     if not table:
         raise SystemExit(f"no summaries of seeds {args.seeds} at k in {args.ks} in {args.folders}")
     print(markdown(table, args.seeds))
+    if args.pairs:
+        print("\n" + pairs_markdown(paired(summaries, args.seeds, args.ks)))
 
 
 if __name__ == "__main__":

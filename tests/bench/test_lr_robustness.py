@@ -1,24 +1,37 @@
-"""bench/lr_robustness.py: the cells and the worst-case ranking against a plain loop over random summaries, a
-collapse (of the reward, or a late fall of the held-out accuracy) counted as 0, and a rule missing a cell or a seed
-left unranked."""
+"""bench/lr_robustness.py: the cells, the worst-case ranking and the paired differences against plain loops over
+random summaries, a collapse (of the reward, or a late fall of the held-out accuracy) counted as 0, and a rule
+missing a cell or a seed left unranked."""
 
 import importlib.util
 import json
+import math
 import os
 import random
 import statistics
+import sys
 
-_path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "lr_robustness.py")
-_spec = importlib.util.spec_from_file_location("lr_robustness", _path)
-lr_robustness = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(lr_robustness)
+_bench = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
+
+
+def _load(name):
+    """bench/NAME.py as the module NAME (dataclasses look their module up in sys.modules)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(_bench, name + ".py"))
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# lr_robustness imports staleness_sweep by name (run as a script, it finds it beside itself): loaded first, unless
+# another test file already has
+sys.modules.get("staleness_sweep") or _load("staleness_sweep")
+lr_robustness = _load("lr_robustness")
 
 RULES, KS, LRS, SEEDS = ("vcpo", "vcpo-lr-linear", "seq-tis"), (16, 64), (3e-4, 1.5e-4), (0, 1, 2)
 
 
-def summaries(rng, drop=()):
+def summaries(rng, drop=(), rules=RULES):
     out = []
-    for rule in RULES:
+    for rule in rules:
         for k in KS:
             for lr in LRS:
                 for seed in (*SEEDS, 7):  # seed 7 is not asked for: it must not count
@@ -69,3 +82,44 @@ def test_worst_cell_ranking_against_a_plain_loop(tmp_path):
                                                      r["final_accuracy"] < max(e[2] for e in r["evals"]) / 2)
                    for r in rows if r["rule"] == rule and r["seed"] in SEEDS)
         assert line.rstrip(" |").rsplit("| ", 1)[1] == str(fell)
+
+
+def _fell(r):
+    best = max(e[2] for e in r["evals"])
+    return r["collapsed_at"] is not None or (best >= 0.1 and r["final_accuracy"] < best / 2)
+
+
+def test_pairs_against_a_plain_loop():
+    """The best rule at each (k, lr) minus every other, and each -ess twin minus its rule alone, seed by seed over
+    the seeds both ran, a collapse as 0, Student's t interval; a rule short of a seed can be paired but not be the
+    best."""
+    t975 = {1: 12.706, 2: 4.303}  # Student's t, 97.5% quantile, by degrees of freedom (a printed table)
+    rng = random.Random(11)
+    rows = summaries(rng, drop={("gspo-ess", 64, 3e-4, 1), ("vcpo", 16, 1.5e-4, 0)},
+                     rules=("gspo", "gspo-ess", "cispo", "cispo-ess", "vcpo"))
+    got = lr_robustness.paired(rows, list(SEEDS), list(KS))
+    expected = []
+    for k in KS:
+        for lr in sorted(LRS, reverse=True):
+            value = {}
+            for r in rows:
+                if (r["k"], r["base_lr"]) == (k, lr) and r["seed"] in SEEDS:
+                    value.setdefault(r["rule"], {})[r["seed"]] = 0.0 if _fell(r) else r["final_accuracy"]
+            means = {rule: sum(v.values()) / len(v) for rule, v in value.items() if len(v) == len(SEEDS)}
+            best = max(means, key=means.get)
+            pairs = [(best, rule) for rule in sorted(value) if rule != best]
+            pairs += [(f"{rule}-ess", rule) for rule in ("cispo", "gspo")]
+            for first, second in pairs:
+                diffs = [value[first][s] - value[second][s] for s in SEEDS if s in value[first] and s in value[second]]
+                mean = sum(diffs) / len(diffs)
+                half = t975[len(diffs) - 1] * statistics.stdev(diffs) / math.sqrt(len(diffs))
+                expected.append((k, lr, first, second, len(diffs), mean, half, sum(d > 0 for d in diffs),
+                                 first == best))
+    assert len(got) == len(expected)
+    for row, (k, lr, first, second, n, mean, half, ahead, is_best) in zip(got, expected):
+        assert (row["k"], row["base_lr"], row["first"], row["second"], row["seeds"]) == (k, lr, first, second, n)
+        assert math.isclose(row["diff"], mean, abs_tol=1e-12) and math.isclose(row["ci95"], half, rel_tol=1e-3)
+        assert (row["first_ahead"], row["best"]) == (ahead, is_best)
+    assert any(row["seeds"] == 2 for row in got)  # the dropped seed shortens its pairs
+    text = lr_robustness.pairs_markdown(got)
+    assert text.count("(best)") == sum(row["best"] for row in got) and len(text.splitlines()) == 4 + len(got)
