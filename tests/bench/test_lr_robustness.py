@@ -2,29 +2,15 @@
 random summaries, a collapse (of the reward, or a late fall of the held-out accuracy) counted as 0, and a rule
 missing a cell or a seed left unranked."""
 
-import importlib.util
 import json
 import math
-import os
 import random
 import statistics
-import sys
 
-_bench = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
+from support.bench_scripts import bench_module
 
-
-def _load(name):
-    """bench/NAME.py as the module NAME (dataclasses look their module up in sys.modules)."""
-    spec = importlib.util.spec_from_file_location(name, os.path.join(_bench, name + ".py"))
-    module = sys.modules[name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-# lr_robustness imports staleness_sweep by name (run as a script, it finds it beside itself): loaded first, unless
-# another test file already has
-sys.modules.get("staleness_sweep") or _load("staleness_sweep")
-lr_robustness = _load("lr_robustness")
+bench_module("staleness_sweep")  # lr_robustness imports it by name
+lr_robustness = bench_module("lr_robustness")
 
 RULES, KS, LRS, SEEDS = ("vcpo", "vcpo-lr-linear", "seq-tis"), (16, 64), (3e-4, 1.5e-4), (0, 1, 2)
 

@@ -2,23 +2,19 @@
 over random curves, and the sweep's bookkeeping (order, skip, resume, budget, the control's learning rate, the
 report) with `vcpo train` replaced by a stand-in that writes run folders."""
 
-import importlib.util
 import json
 import math
 import os
 import random
 import shutil
 import statistics
-import sys
 from types import SimpleNamespace
 
 import pytest
 
-_spec = importlib.util.spec_from_file_location(
-    "staleness_sweep", os.path.join(os.path.dirname(__file__), "..", "..", "bench", "staleness_sweep.py"))
-sweep = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = sweep  # dataclasses look their module up
-_spec.loader.exec_module(sweep)
+from support.bench_scripts import bench_module
+
+sweep = bench_module("staleness_sweep")
 
 
 def random_curve(rng, n):
@@ -320,10 +316,6 @@ def test_report_aggregates_over_seeds(tmp_path, monkeypatch, capsys):
     assert os.path.getsize(tmp_path / "curves.png") > 0 and os.path.getsize(tmp_path / "accuracy.png") > 0
     out = capsys.readouterr().out
     assert "| vcpo | 4 | 3 | 0.600 +- 0.000 |" in out and "| 4 | vcpo | grpo | 3 | 0.100 +- 0.000 | 3 of 3 |" in out
-
-
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-q"]))
 
 
 def test_every_rule_is_the_loss_it_names(monkeypatch):

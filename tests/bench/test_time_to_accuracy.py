@@ -1,7 +1,6 @@
 """bench/time_to_accuracy.py: the time to the threshold and the paired speed-ups against loops written another way
 over random runs, and its report from summaries alone."""
 
-import importlib.util
 import json
 import math
 import os
@@ -12,21 +11,10 @@ import sys
 import numpy as np
 import pytest
 
-_bench = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
+from support.bench_scripts import bench_module
 
-
-def _load(name):
-    """bench/NAME.py as the module NAME (dataclasses look their module up in sys.modules)."""
-    spec = importlib.util.spec_from_file_location(name, os.path.join(_bench, name + ".py"))
-    module = sys.modules[name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-# time_to_accuracy imports staleness_sweep by name (run as bench/time_to_accuracy.py, it finds it beside itself):
-# loaded first, unless test_staleness_sweep.py already has
-T975 = (sys.modules.get("staleness_sweep") or _load("staleness_sweep")).T975  # the t quantiles
-tta = _load("time_to_accuracy")
+T975 = bench_module("staleness_sweep").T975  # the t quantiles (time_to_accuracy imports the module by name)
+tta = bench_module("time_to_accuracy")
 
 
 def random_summary(rng, rule="vcpo", k=4, seed=0, steps=200, every=20):
