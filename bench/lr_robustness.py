@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
 import os
 import statistics
 
@@ -133,7 +134,7 @@ def pairs_markdown(rows: list[dict]) -> str:
              "| k | lr | first | second | seeds | first - second (mean +- 95% CI) | seeds with the first ahead |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
-        ci = "" if r["ci95"] != r["ci95"] else f" +- {r['ci95']:.3f}"  # NaN: one seed
+        ci = "" if math.isnan(r["ci95"]) else f" +- {r['ci95']:.3f}"  # NaN: one seed
         lines.append(f"| {r['k']} | {r['base_lr']:g} | {r['first']}{' (best)' if r['best'] else ''} | {r['second']} | "
                      f"{r['seeds']} | {r['diff']:+.3f}{ci} | {r['first_ahead']} of {r['seeds']} |")
     return "\n".join(lines)

@@ -14,7 +14,7 @@ from support.batches import random_batch
 README = Path(__file__).resolve().parents[2] / "README.md"
 
 
-def test_config_defaults_are_the_papers():
+def test_config_defaults_are_the_papers_but_the_lr_rule():
     c = vcpo.VCPOConfig()
     assert (c.is_level, c.is_correction, c.is_threshold) == ("sequence", "truncate", 8.0)
     assert c.threshold_low == 1 / 8
