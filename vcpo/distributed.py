@@ -31,7 +31,18 @@ from vcpo_kernels.ops import batch_normalizer
 from vcpo_kernels.reference.policy_loss import second_moment_threshold as reference_threshold
 from vcpo_kernels.reference.sequence_stats import token_deltas
 
-__all__ = ["policy_loss", "agg_count", "global_share", "second_moment_threshold"]
+__all__ = ["init_process_group", "policy_loss", "agg_count", "global_share", "second_moment_threshold"]
+
+
+def init_process_group(**kwargs) -> None:
+    """torch.distributed.init_process_group(**kwargs), after importing torch.distributed.nn.functional: that module's
+    functions take `group.WORLD` as a default argument, read at import, and a Hugging Face model class imports it,
+    so a model built after the group would keep the group alive past destroy_process_group, to the interpreter's
+    exit, where freeing a gloo group aborts the process now and then ("terminate called without an active
+    exception")."""
+    import torch.distributed.nn.functional  # noqa: F401
+
+    dist.init_process_group(**kwargs)
 
 
 def largest_abs(tensors: list) -> Tensor:

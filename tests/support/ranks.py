@@ -11,11 +11,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from vcpo.distributed import init_process_group
+
 
 def _rank_main(rank: int, world: int, folder: str, fn, args: tuple) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{folder}/init", rank=rank, world_size=world)
+    init_process_group(backend="gloo", init_method=f"file://{folder}/init", rank=rank, world_size=world)
     try:
         torch.save(fn(rank, *args), os.path.join(folder, f"rank{rank}.pt"))
+        dist.barrier()  # no rank tears gloo down while its peer is still in a collective
     finally:
         dist.destroy_process_group()
 

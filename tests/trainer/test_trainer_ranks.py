@@ -190,12 +190,15 @@ def test_a_killed_rank_or_launcher_ends_the_run_and_the_last_checkpoint_resumes(
 
 
 RANKS_SCRIPT = """
-import sys, time, torch
+import sys, time, weakref, torch
 import torch.distributed as dist
+from support.tiny_models import tiny_llama
 from vcpo.step import RolloutBatch
 from vcpo.trainer.placement.ranks import TrainerRanks
 
 ranks = TrainerRanks(2, 4, timeout_s=60)
+group = weakref.ref(ranks.group)
+model = tiny_llama()  # a model class, first imported with the group up, as the trainer's
 if sys.argv[1] == "fail":  # rank 0 fails before its stop, the other rank waits for a batch
     if ranks.main:
         ranks.close(ended=False)
@@ -220,6 +223,7 @@ if ranks.main:
 else:
     assert ranks.receive() is None
 ranks.close()
+assert group() is None, "the process group outlived close(): it would be freed at the interpreter's exit"
 print("rank", ranks.rank, "done", flush=True)
 """
 
@@ -227,9 +231,10 @@ print("rank", ranks.rank, "done", flush=True)
 @pytest.mark.slow
 def test_ranks_get_their_prompt_groups_and_exit_cleanly(tmp_path):
     """Rank 0's batches reach each rank as its whole prompt groups, and both ranks exit with 0; a rank 0 that fails
-    before its stop message ends the launch at once. Before close() freed
-    the gloo group while Python still ran, about 1 launch of this script in 16 aborted a rank at exit ("terminate
-    called without an active exception"; the 2-rank trainer tests, with more collectives, more often)."""
+    before its stop message ends the launch at once; the group is freed by close(), though a Hugging Face model was
+    built after it. Before close() freed the gloo group while Python still ran, about 1 launch of this script in 16
+    aborted a rank at exit ("terminate called without an active exception"; the 2-rank trainer tests, with more
+    collectives, more often); a model class imported after the group kept it alive to the exit all the same."""
     script = tmp_path / "ranks.py"
     script.write_text(RANKS_SCRIPT)
     for seed in range(4):

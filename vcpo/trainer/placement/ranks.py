@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from vcpo.distributed import init_process_group
 from vcpo.step import RolloutBatch
 
 # header[0] of each message from rank 0
@@ -45,7 +46,7 @@ class TrainerRanks:
             if backend == "nccl":
                 torch.cuda.set_device(self.local_rank)
             # collectives wait for rank 0's next batch, which may take as long as the engine's generation
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+            init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
             self.rank = dist.get_rank()
             self.group = dist.group.WORLD
 
